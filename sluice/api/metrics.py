@@ -1,0 +1,33 @@
+"""Every metric name Sluice exports, in one place.
+
+Worker metrics use vLLM's names so existing dashboards and KEDA triggers work unchanged;
+router metrics use the ``sluice_router_`` prefix.
+"""
+
+# worker (vLLM names)
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+NUM_RUNNING = "vllm:num_requests_running"
+NUM_WAITING = "vllm:num_requests_waiting"
+KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+REQUEST_SUCCESS = "vllm:request_success_total"
+
+# router
+ROUTER_REQUESTS = "sluice_router_requests_total"
+ROUTER_TTFT = "sluice_router_time_to_first_token_seconds"
+ROUTER_ITL = "sluice_router_inter_token_latency_seconds"
+ROUTER_E2E = "sluice_router_e2e_request_latency_seconds"
+ROUTER_IN_FLIGHT = "sluice_router_in_flight_requests"
+
+# histogram buckets, seconds (vLLM's TTFT/ITL buckets, trimmed)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0)

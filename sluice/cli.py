@@ -1,0 +1,40 @@
+"""The `sluice` command: up | worker | router | models.
+
+Each component module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and keeps
+heavy imports (torch) inside ``run``, so ``sluice router --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "up": ("sluice.local.supervisor", "run an InferenceService manifest as local processes"),
+    "worker": ("sluice.worker.server", "serve one model over the OpenAI API"),
+    "router": ("sluice.router.app", "OpenAI API front for one or more workers"),
+    "models": ("sluice.models.cli", "fetch and list models in the local store"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen component; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        modules[name] = module
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return modules[args.command].run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Asyncio front of the engine: one background thread runs ``LLMEngine.step()``.
+
+The event loop never computes: ``generate`` enqueues a request and awaits its deltas; the
+engine thread steps while there is work and pushes each RequestOutput to the request's
+asyncio queue with ``call_soon_threadsafe``. Leaving ``generate`` early (client gone, task
+cancelled) aborts the request, which leaves the batch at the start of the next step and
+frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.llm_engine import LLMEngine
+from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of engine load, cheap to take from any thread.
+
+    Attributes:
+        num_running: sequences in the running batch.
+        num_waiting: sequences queued for admission (including preempted ones).
+        num_free_blocks: KV blocks in the free pool.
+        num_total_blocks: KV blocks in the pool.
+        kv_cache_usage: used fraction of the pool, 0..1.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on a background thread and serves it to asyncio code.
+
+    Construction loads the model (seconds); call it off the event loop.
+
+    Attributes:
+        tokenizer: the model's HF tokenizer.
+        max_model_len: context length in tokens.
+        model_name: the served model name.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.model_name = self.engine.model_name
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_aborts: list[str] = []
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its deltas until it finishes.
+
+        Args:
+            prompt_token_ids: the prompt, already tokenized and validated by the caller
+                (non-empty; prompt + max_tokens within ``max_model_len``).
+            params: sampling parameters.
+            request_id: unique among live requests.
+
+        Raises:
+            ValueError: the request id is already live.
+            RuntimeError: the engine thread died (the message carries its error).
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._queues[request_id] = (loop, queue)
+            self._pending_adds.append((request_id, list(prompt_token_ids), params))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"engine failed: {item!r}") from item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._queues.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a live request (no-op if it already finished). Thread-safe."""
+        with self._lock:
+            self._pending_aborts.append(request_id)
+        self._wakeup.set()
+
+    def stats(self) -> EngineStats:
+        """Current load; safe to call from any thread (reads plain ints)."""
+        s = self.engine.scheduler
+        pool = s.block_manager
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting) + len(self._pending_adds),
+            num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_blocks,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (live requests get no more output)."""
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                adds, self._pending_adds = self._pending_adds, []
+                aborts, self._pending_aborts = self._pending_aborts, []
+            for request_id in aborts:
+                self._deliver_all(self.engine.abort_request(request_id))
+            for request_id, prompt, params in adds:
+                self.engine.add_request(request_id, prompt, params)
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:  # surface to every waiter, then keep serving
+                logger.exception("engine step failed; failing all live requests")
+                self._fail_all(exc)
+                continue
+            self._deliver_all(outputs)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            targets = [(self._queues.get(o.request_id), o) for o in outputs]
+        for target, output in targets:
+            if target is not None:
+                loop, queue = target
+                loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self.engine.scheduler.request_ids()):
+            self.engine.abort_request(request_id)
+        with self._lock:
+            targets = list(self._queues.values())
+        for loop, queue in targets:
+            loop.call_soon_threadsafe(queue.put_nowait, exc)

@@ -1,0 +1,48 @@
+"""Engine configuration. Only the engine and scheduler read it; lower layers take numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Options of the native engine (worker flags map 1:1 onto these).
+
+    Attributes:
+        model: path of a converted model folder (config.json + *.safetensors + tokenizer).
+        served_model_name: the name the API serves; defaults to the folder name.
+        max_model_len: context length in tokens (prompt + output); default: the model's
+            ``max_position_embeddings`` capped at 8192.
+        block_size: tokens per KV-cache block.
+        kv_cache_gib: memory budget of the KV block pool, GiB.
+        max_num_seqs: most sequences in one step's batch.
+        max_num_batched_tokens: per-step token budget (prefill + decode tokens).
+        dtype: "float32" (fast on CPUs without bf16 units) or "bfloat16"/"float16".
+        device: "cpu" or "cuda".
+
+    Raises:
+        ValueError: from ``__post_init__`` when a value is out of range.
+    """
+
+    model: str
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_gib: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

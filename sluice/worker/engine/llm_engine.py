@@ -1,0 +1,171 @@
+"""LLMEngine: the synchronous core. ``step()`` = schedule → run the model → sample → outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.detokenizer import IncrementalDetokenizer
+from sluice.worker.engine.model_runner import ModelRunner
+from sluice.worker.engine.models.llama import SUPPORTED_ARCHITECTURES
+from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.engine.sampler import logprobs_of, sample
+from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.scheduler import Scheduler
+from sluice.worker.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (nano-vllm / vLLM v1 design).
+
+    Args:
+        config: engine options; ``config.model`` is a converted model folder.
+
+    Attributes:
+        tokenizer: the HF tokenizer of the model.
+        max_model_len: context length in tokens.
+        model_name: the served model name.
+        eos_token_ids: ids that end generation unless ``ignore_eos``.
+
+    Raises:
+        ValueError: the folder holds an unsupported architecture, or the options do not fit.
+    """
+
+    def __init__(self, config: EngineConfig):
+        model_dir = Path(config.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        archs = getattr(hf_config, "architectures", None) or []
+        if not set(archs) & set(SUPPORTED_ARCHITECTURES):
+            raise ValueError(f"{model_dir}: architecture {archs} is not supported by the native "
+                             f"engine (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_name = config.served_model_name or model_dir.name
+        self.max_model_len = config.max_model_len or min(hf_config.max_position_embeddings,
+                                                         DEFAULT_MAX_MODEL_LEN)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
+        self.runner = ModelRunner(hf_config, model_dir, self.max_model_len, config.block_size,
+                                  int(config.kv_cache_gib * 2**30), config.dtype, config.device)
+        self.scheduler = Scheduler(config, self.runner.num_blocks)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Reject a request the engine could never finish.
+
+        Raises:
+            ValueError: empty prompt, prompt + max_tokens over the context, or more KV blocks
+                than the whole pool.
+        """
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"{n} input tokens + max_tokens {params.max_tokens} exceeds the "
+                             f"maximum context {self.max_model_len}")
+        pool = self.scheduler.block_manager
+        if pool.blocks_for(n + params.max_tokens) > pool.num_blocks:
+            raise ValueError(f"{n} input tokens + max_tokens {params.max_tokens} need more KV "
+                             f"cache than this worker has ({pool.num_blocks * pool.block_size} tokens)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request (validated with ``check_request`` first)."""
+        self.check_request(prompt_token_ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_token_ids, params.stop)
+        self.scheduler.add(Sequence(request_id, prompt_token_ids, params, detok))
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Drop a request and free its blocks; returns its final output (or [] if unknown)."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return []
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return [seq.take_output()]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs of sequences that got a token or finished."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        rows, samplers, prompt_rows = [], [], []
+        start = 0
+        for seq, n in scheduled:
+            c = seq.num_computed_tokens
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
+                # logits at position p score prompt token p + 1
+                first = len(seq.prompt_logprobs) - 1
+                last = min(c + n, seq.num_prompt_tokens - 1)
+                for p in range(max(first, c), last):
+                    prompt_rows.append((seq, len(rows), seq.token_ids[p + 1]))
+                    rows.append(start + p - c)
+            if c + n == seq.num_tokens:
+                samplers.append((seq, len(rows)))
+                rows.append(start + n - 1)
+            start += n
+        logits = self.runner.execute(scheduled, rows)
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+        self._record_prompt_logprobs(logits, prompt_rows)
+
+        if not samplers:
+            return []
+        seqs = [s for s, _ in samplers]
+        sample_logits = logits[[r for _, r in samplers]]
+        tokens = sample(sample_logits, [s.params for s in seqs], [s.generator for s in seqs])
+        want = [s.params.logprobs for s in seqs]
+        logprobs = (logprobs_of(sample_logits, tokens, [w or 0 for w in want])
+                    if any(w is not None for w in want) else [None] * len(seqs))
+        outputs = []
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            stopped_by_string = seq.append_token(token, lp if seq.params.logprobs is not None else None)
+            status = self._finish_status(seq, token, stopped_by_string)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+            outputs.append(seq.take_output())
+        return outputs
+
+    def _finish_status(self, seq: Sequence, token: int, stopped_by_string: bool) -> SequenceStatus | None:
+        p = seq.params
+        if stopped_by_string or token in p.stop_token_ids or (
+                not p.ignore_eos and token in self.eos_token_ids):
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, prompt_rows) -> None:
+        if not prompt_rows:
+            return
+        row_logits = logits[[r for _, r, _ in prompt_rows]]
+        k = [seq.params.prompt_logprobs for seq, _, _ in prompt_rows]
+        for (seq, _, _), lp in zip(prompt_rows, logprobs_of(row_logits, [t for _, _, t in prompt_rows], k)):
+            seq.prompt_logprobs.append(lp)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Offline batch generation (tests, benchmarks): output token ids per prompt."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]
+
+
+def _eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    if (model_dir / "generation_config.json").exists():
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids

@@ -1,0 +1,112 @@
+"""Builds batch tensors from scheduled sequences, owns the KV cache, runs the model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from sluice.worker.engine.attention import AttentionMetadata
+from sluice.worker.engine.models.llama import LlamaForCausalLM
+from sluice.worker.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    """Loads the model and runs one forward pass per engine step.
+
+    Args:
+        hf_config: the checkpoint's transformers config.
+        model_dir: folder with the safetensors weights.
+        max_model_len: context length (sizes the rotary tables).
+        block_size: tokens per KV block.
+        kv_cache_bytes: memory budget for the KV block pool, bytes.
+        dtype: "float32", "bfloat16" or "float16".
+        device: "cpu" or "cuda".
+
+    Raises:
+        ValueError: the budget holds no full block, or a weight is missing/mis-shaped.
+    """
+
+    def __init__(self, hf_config, model_dir: Path, max_model_len: int, block_size: int,
+                 kv_cache_bytes: int, dtype: str, device: str):
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.block_size = block_size
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device("meta"):
+                model = LlamaForCausalLM(hf_config, max_model_len)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        model = model.to_empty(device=self.device)
+        model.rotary.to(self.device)
+        if hf_config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(model_dir)
+        self.model = model.eval()
+
+        layers = hf_config.num_hidden_layers
+        elem = torch.finfo(self.dtype).bits // 8
+        bytes_per_block = 2 * layers * block_size * model.num_kv_heads * model.head_dim * elem
+        self.num_blocks = int(kv_cache_bytes // bytes_per_block)
+        if self.num_blocks < 1:
+            raise ValueError(f"KV cache budget of {kv_cache_bytes} bytes holds no block "
+                             f"({bytes_per_block} bytes per block of {block_size} tokens)")
+        shape = (self.num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(layers)]
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks,
+                    block_size, self.num_blocks * block_size,
+                    self.num_blocks * bytes_per_block / 2**20)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]], logit_rows: list[int]) -> torch.Tensor:
+        """Run the model over this step's new tokens.
+
+        Args:
+            scheduled: (sequence, num_new_tokens) pairs; block tables already allocated.
+            logit_rows: indices into the flat batch of the tokens whose logits are needed.
+
+        Returns:
+            logits [len(logit_rows), vocab] fp32.
+        """
+        input_ids, positions, meta = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _prepare(self, scheduled: list[tuple[Sequence, int]]):
+        dev, bs = self.device, self.block_size
+        ids, pos, slots, prefills = [], [], [], []
+        decode_idx, decode_tables, decode_lens = [], [], []
+        start = 0
+        for seq, n in scheduled:
+            c = seq.num_computed_tokens
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            p = torch.arange(c, c + n)
+            ids.append(torch.tensor(seq.token_ids[c:c + n], dtype=torch.long))
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            if n == 1:
+                decode_idx.append(start)
+                decode_tables.append(table)
+                decode_lens.append(c + 1)
+            else:
+                prefills.append((start, n, c + n, table[:-(-(c + n) // bs)].to(dev)))
+            start += n
+        decode_token_idx = decode_block_tables = decode_mask = None
+        if decode_idx:
+            decode_token_idx = torch.tensor(decode_idx, device=dev)
+            decode_block_tables = torch.nn.utils.rnn.pad_sequence(decode_tables, batch_first=True).to(dev)
+            max_len = decode_block_tables.shape[1] * bs
+            lens = torch.tensor(decode_lens)
+            decode_mask = (torch.arange(max_len) < lens.unsqueeze(1)).view(len(lens), 1, 1, max_len).to(dev)
+        meta = AttentionMetadata(torch.cat(slots).to(dev), decode_token_idx, decode_block_tables,
+                                 decode_mask, prefills)
+        return torch.cat(ids).to(dev), torch.cat(pos).to(dev), meta

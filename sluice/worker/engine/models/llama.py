@@ -1,0 +1,197 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2) over a paged KV cache, in plain PyTorch.
+
+One model file covers both families: Qwen2 is Llama with biases on the q/k/v projections.
+RMSNorm, rotary embeddings with the checkpoint's scaling (computed by transformers' own
+``ROPE_INIT_FUNCTIONS`` so every rope type matches HF), grouped-query attention, SwiGLU,
+tied embeddings. q/k/v and gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from sluice.worker.engine.attention import AttentionMetadata, paged_attention
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding (Su et al. 2021), HF's rotate-half layout.
+
+    cos/sin tables [max_positions, head_dim] are precomputed once, on the CPU even when the
+    model is built on the meta device; ``to(device)`` moves them.
+    """
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        inv_freq, scaling = _rope_inv_freq(config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(positions, inv_freq.to("cpu"))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos() * scaling, emb.sin() * scaling
+
+    def to(self, device) -> None:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, H_q, D]; k [T, H_kv, D] → rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(config, "rope_parameters", None) or {
+        **(getattr(config, "rope_scaling", None) or {}), "rope_theta": config.rope_theta}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params["rope_theta"]
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        return 1.0 / theta ** exponents, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, head_dim: int, bias: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config.hidden_size, config.num_attention_heads,
+                                   config.num_key_value_heads, head_dim, bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM over flattened tokens of many sequences at once.
+
+    Args:
+        config: the HF config (``transformers.AutoConfig``) of a Llama or Qwen2 checkpoint.
+        max_positions: largest position the rotary tables cover (the context length).
+    """
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, bias)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] → final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → logits [N, vocab] in fp32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, model_dir: Path) -> None:
+        """Load HF-named safetensors shards, fusing q/k/v and gate/up.
+
+        Raises:
+            ValueError: a weight is missing or has the wrong shape (names the tensor).
+        """
+        weights: dict[str, torch.Tensor] = {}
+        for shard in sorted(model_dir.glob("*.safetensors")):
+            weights.update(load_file(shard))
+        params = dict(self.named_parameters())
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for kind in ("weight", "bias"):
+                names = [f"{p}self_attn.{x}_proj.{kind}" for x in "qkv"]
+                if all(n in weights for n in names):
+                    weights[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat([weights.pop(n) for n in names])
+            names = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            if all(n in weights for n in names):
+                weights[f"{p}mlp.gate_up_proj.weight"] = torch.cat([weights.pop(n) for n in names])
+        with torch.no_grad():
+            for name, param in params.items():
+                key = name if name == "lm_head.weight" else f"model.{name}"
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                tensor = weights.get(key)
+                if tensor is None:
+                    raise ValueError(f"weight {key} is missing from {model_dir}")
+                if tensor.shape != param.shape:
+                    raise ValueError(f"weight {key} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(param.shape)}")
+                param.copy_(tensor)

@@ -1,0 +1,59 @@
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus), per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from sluice.worker.engine.outputs import TokenLogprob
+from sluice.worker.engine.sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """Pick one token per row.
+
+    Args:
+        logits: [N, vocab] fp32, one row per sequence.
+        params: the N sequences' sampling parameters.
+        generators: per-row RNG (seeded requests) or None for torch's default RNG.
+
+    Returns:
+        N token ids. Rows with temperature 0 take the argmax. Others: divide by the
+        temperature, keep the top-k, then the smallest set whose mass reaches top-p
+        (Holtzman et al. 2019), renormalize and draw.
+    """
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, p in enumerate(params):
+        if p.greedy:
+            continue
+        x = logits[row] / p.temperature
+        if 0 < p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # drop a token when the mass before it already reaches top_p (always keep the best)
+            drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]))
+    return tokens
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Logprobs of the chosen tokens under the unscaled model distribution.
+
+    Args:
+        logits: [N, vocab] fp32.
+        token_ids: N chosen token ids.
+        num_top: per row, how many top alternatives to return (0 for none).
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
+    k = max(num_top, default=0)
+    top_vals, top_ids = (logp.topk(k, dim=-1) if k else (None, None))
+    out = []
+    for row, (tok, lp, n) in enumerate(zip(token_ids, chosen, num_top)):
+        top = list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist())) if n else []
+        out.append(TokenLogprob(tok, lp, top))
+    return out

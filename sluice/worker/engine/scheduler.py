@@ -1,0 +1,103 @@
+"""Iteration-level scheduler (continuous batching, Orca / vLLM v1 style).
+
+Every step spends a token budget closing the gap between each sequence's computed and
+total tokens: running sequences first (a decode is a gap of one; a long prompt gets a
+chunk of the budget — chunked prefill), then waiting sequences are admitted while the
+budget, ``max_num_seqs`` and the block pool allow. When the pool cannot give a running
+sequence its next block, the most recently admitted sequence is preempted: its blocks are
+freed and it goes back to the front of the waiting queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterator
+
+from sluice.worker.engine.block_manager import BlockManager
+from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides which sequences run in the next step and with how many tokens.
+
+    Args:
+        config: engine config (reads max_num_seqs, max_num_batched_tokens, block_size).
+        num_blocks: KV blocks in the pool.
+    """
+
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def request_ids(self) -> Iterator[str]:
+        yield from (s.request_id for s in [*self.running, *self.waiting])
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick this step's work.
+
+        Returns:
+            (sequence, num_new_tokens) pairs in batch order; each sequence's block table
+            already has room for its new tokens. Sum of num_new_tokens <= the token budget.
+        """
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate_slots(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Mark ``seq`` finished, drop it from the queues and free its blocks at once."""
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in [*self.running, *self.waiting] if s.request_id == request_id), None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        logger.debug("preempting %s (%d tokens) for recompute", seq.request_id, seq.num_tokens)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

@@ -1,0 +1,77 @@
+"""Shared fixtures: the real default model, and real server processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.models import store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (fetched once into $SLUICE_HOME)."""
+    return store.fetch(store.DEFAULT_MODEL)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(args: list[str], port: int, timeout: float = 120.0, log: Path | None = None):
+    """Run ``sluice ARGS`` as a real process; yield its base URL once /health answers 200.
+
+    The process is stopped with SIGTERM (then SIGKILL after 10 s) on exit.
+    """
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", *args], stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sluice {' '.join(args)} exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sluice {' '.join(args)} not healthy after {timeout} s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if log:
+            out.close()
+
+
+@pytest.fixture(scope="session")
+def worker_url(model_path, tmp_path_factory) -> str:
+    """One real `sluice worker` process serving SmolLM2 for the whole session."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    with serve(["worker", "--model", str(model_path), "--served-model-name",
+                store.DEFAULT_MODEL, "--port", str(port)], port, log=log) as url:
+        yield url
