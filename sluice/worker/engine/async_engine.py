@@ -82,9 +82,12 @@ class AsyncEngine:
             request_id: unique among live requests.
 
         Raises:
-            ValueError: the request id is already live.
-            RuntimeError: the engine thread died (the message carries its error).
+            ValueError: the request can never run (``LLMEngine.check_request``: empty prompt,
+                over the context, bigger than the KV pool) or its id is already live; raised
+                before the first output, so a server can still answer 400.
+            RuntimeError: an engine step failed (the message carries its error).
         """
+        self.engine.check_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
