@@ -1,0 +1,207 @@
+"""The native engine against HF transformers on the real SmolLM2 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sluice.worker.engine import EngineConfig, SamplingParams
+from sluice.worker.engine.llm_engine import LLMEngine
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time,",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Translate to French: Good morning, how are you?",
+    "import numpy as np\n",
+    "What is the boiling point of water?",
+    "Q: Who wrote Hamlet?\nA:",
+    "SELECT * FROM users WHERE",
+    "The three primary colors are",
+    "In 1969, humans",
+    "Here is a haiku about autumn:\n",
+    "<html>\n<head>",
+    "Photosynthesis is the process",
+    "The square root of 144 is",
+    "Dear Sir or Madam,",
+    "A list of fruits: apple, banana,",
+    "To be or not to be,",
+    "The theory of relativity states that",
+    "Rust and Go are both",
+    "Step 1: Preheat the oven",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.25))
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(engine, hf_model):
+    """HF greedy `generate` output ids for every prompt, one prompt at a time."""
+    refs = []
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def assert_pool_idle(engine):
+    pool = engine.scheduler.block_manager
+    assert not engine.has_unfinished_requests()
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_greedy_matches_hf_one_at_a_time(engine, hf_reference):
+    for prompt, ref in zip(PROMPTS, hf_reference):
+        out = engine.generate([engine.tokenizer.encode(prompt)], greedy())[0]
+        assert out == ref, prompt
+    assert_pool_idle(engine)
+
+
+def test_greedy_matches_hf_in_batch_with_requests_joining_midway(engine, hf_reference):
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:8]]
+    results: dict[str, list[int]] = {}
+    for i in range(4):
+        engine.add_request(f"b{i}", ids[i], greedy())
+    steps = 0
+    while engine.has_unfinished_requests():
+        if steps in (3, 7, 11, 15):  # the other four join while the first ones decode
+            i = 4 + (3, 7, 11, 15).index(steps)
+            engine.add_request(f"b{i}", ids[i], greedy())
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        steps += 1
+    for i in range(8):
+        assert results[f"b{i}"] == hf_reference[i], PROMPTS[i]
+    assert_pool_idle(engine)
+
+
+def test_chunked_prefill_matches_unchunked(model_path, engine, hf_reference):
+    small_budget = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.05,
+                                          max_num_batched_tokens=4))
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+    assert small_budget.generate(ids, greedy()) == hf_reference[:4]
+    assert_pool_idle(small_budget)
+
+
+def test_preemption_under_kv_pressure_gives_identical_output(model_path, engine):
+    # 6 blocks of 16 tokens: each request needs 2-3 blocks at its end, so 8 cannot all run
+    bytes_per_block = 2 * 30 * 16 * 3 * 64 * 4
+    tight = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=6 * bytes_per_block / 2**30))
+    assert tight.scheduler.block_manager.num_blocks == 6
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS[:8]]
+    params = greedy(max_tokens=30, ignore_eos=True)
+    expected = engine.generate(ids, params)
+    assert tight.generate(ids, params) == expected
+    assert tight.scheduler.num_preemptions > 0
+    assert_pool_idle(tight)
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_streamed(engine):
+    ids = engine.tokenizer.encode("1, 2, 3, 4,")
+    full = "".join(o.new_text for o in _run(engine, ids, greedy(max_tokens=20, ignore_eos=True)))
+    assert full.startswith(" 5, 6, 7, 8")
+    outs = _run(engine, ids, greedy(max_tokens=20, stop=["7, 8"]))
+    assert "".join(o.new_text for o in outs) == " 5, 6, "
+    assert outs[-1].finish_reason == "stop"
+    streamed = [o.new_text for o in outs]
+    assert not any("7" in piece for piece in streamed)
+    assert_pool_idle(engine)
+
+
+def test_stop_string_inside_a_token(engine):
+    # find a token the model emits that contains "DEF", then stop on "DE"
+    prompt = "The alphabet in capitals: ABCDEFGHIJ. Again: ABC"
+    ids = engine.tokenizer.encode(prompt)
+    out_ids = engine.generate([ids], greedy(max_tokens=8))[0]
+    pieces = [engine.tokenizer.decode([t]) for t in out_ids]
+    assert any("DEF" in p for p in pieces), pieces
+    outs = _run(engine, ids, greedy(max_tokens=8, stop=["DE"]))
+    text = "".join(o.new_text for o in outs)
+    assert "D" not in text and outs[-1].finish_reason == "stop"
+
+
+def test_non_ascii_stream_never_splits_a_character(engine):
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write 你好世界 and a party emoji 🎉 three times."}],
+        tokenize=False, add_generation_prompt=True)
+    ids = engine.tokenizer.encode(prompt)
+    outs = _run(engine, ids, greedy(max_tokens=40))
+    pieces = [o.new_text for o in outs]
+    out_ids = [t for o in outs for t in o.new_token_ids]
+    assert all("\ufffd" not in p for p in pieces)
+    # a character cut by max_tokens is dropped, never emitted as U+FFFD
+    assert "".join(pieces) == engine.tokenizer.decode(out_ids, skip_special_tokens=True).rstrip("\ufffd")
+    assert any(ord(c) > 0x2E80 for c in "".join(pieces))
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(engine, hf_reference):
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7)
+    a, b = engine.generate([ids, ids], [sampled, sampled])
+    assert a == b
+    top1 = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=1, seed=3)
+    assert engine.generate([ids], top1)[0] == hf_reference[2]
+
+
+def test_logprobs_match_hf(engine, hf_model):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    outs = _run(engine, ids, greedy(max_tokens=4, logprobs=3, prompt_logprobs=2))
+    lps = [lp for o in outs for lp in o.new_logprobs]
+    tokens = [lp.token_id for lp in lps]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids + tokens])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    for i, lp in enumerate(lps):
+        row = ref[len(ids) - 1 + i]
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-3)
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+    prompt_lps = outs[0].prompt_logprobs
+    assert prompt_lps[0] is None and len(prompt_lps) == len(ids)
+    for p in range(1, len(ids)):
+        assert prompt_lps[p].logprob == pytest.approx(ref[p - 1][ids[p]].item(), abs=1e-3)
+
+
+def test_abort_frees_blocks_within_one_step(engine):
+    ids = engine.tokenizer.encode(PROMPTS[5])
+    engine.add_request("long", ids, greedy(max_tokens=200, ignore_eos=True))
+    engine.add_request("short", ids, greedy(max_tokens=3))
+    engine.step()
+    engine.step()
+    final = engine.abort_request("long")
+    assert final[0].finished and final[0].finish_reason == "abort"
+    assert [s.request_id for s in engine.scheduler.running] == ["short"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_idle(engine)
+
+
+def test_rejects_requests_that_cannot_fit(engine):
+    with pytest.raises(ValueError, match="maximum context 8192"):
+        engine.check_request([1] * 8000, greedy(max_tokens=500))
+    with pytest.raises(ValueError, match="empty"):
+        engine.check_request([], greedy())
+
+
+def _run(engine, ids, params):
+    engine.add_request("solo", ids, params)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    return outs
