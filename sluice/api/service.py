@@ -1,0 +1,273 @@
+"""The InferenceService manifest (``serving.sluice.dev/v1alpha1``), as pydantic models.
+
+This is the one definition of the resource: ``sluice up`` reads it, the operator reconciles
+it, and the CRD's OpenAPI schema is generated from it, so every field carries a description.
+Field names are camelCase in YAML (aliases); Python code may use either spelling. Spec
+models forbid unknown fields, so a typo is an error that names the field, not a silent
+default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+API_VERSION = "serving.sluice.dev/v1alpha1"
+KIND = "InferenceService"
+SOURCE_SCHEMES = ("sluice", "file", "pvc")
+
+RoutingStrategy = Literal["least-load"]
+EngineName = Literal["native", "vllm"]
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _quantity(value: Any) -> Any:
+    """Kubernetes quantities may be written as numbers in YAML (``cpu: 2``); keep them as
+    the strings Kubernetes uses (``"2"``)."""
+    if isinstance(value, bool):
+        return value  # let validation reject it
+    return str(value) if isinstance(value, int | float) else value
+
+
+Quantity = Annotated[str, BeforeValidator(_quantity)]
+_INT_OR_STRING = {"x-kubernetes-int-or-string": True}
+
+
+class _Spec(BaseModel):
+    """Base of every spec model: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class ModelSpec(_Spec):
+    """Which model to serve, and under which name."""
+
+    name: str = Field(min_length=1, pattern=r"^\S(.*\S)?$",
+                      description="Served model name: the `model` clients put in requests.")
+    source: str = Field(description="Where the weights come from: `sluice://NAME` (the Sluice "
+                        "model store, fetched on first use), `file:///abs/path` (a converted model "
+                        "folder) or `pvc://CLAIM/path` (a folder on a PersistentVolumeClaim).")
+    tokenizer: str | None = Field(None, description="Tokenizer folder or store name, when it "
+                                  "is not stored with the weights.")
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ModelSpec:
+        scheme, _, rest = self.source.partition("://")
+        if scheme not in SOURCE_SCHEMES or not rest:
+            raise ValueError(f"source {self.source!r} must be sluice://NAME, file:///path or "
+                             "pvc://claim/path")
+        if scheme == "file" and not rest.startswith("/"):
+            raise ValueError(f"source {self.source!r}: file:// needs an absolute path "
+                             "(file:///abs/path)")
+        if scheme == "pvc" and "/" not in rest.strip("/"):
+            raise ValueError(f"source {self.source!r}: pvc:// needs a claim and a path "
+                             "(pvc://claim/path)")
+        return self
+
+    @property
+    def source_scheme(self) -> str:
+        """``sluice``, ``file`` or ``pvc``."""
+        return self.source.partition("://")[0]
+
+    @property
+    def source_location(self) -> str:
+        """The part after ``scheme://``: a store name, an absolute path, or ``claim/path``."""
+        return self.source.partition("://")[2]
+
+
+class NativeEngineOptions(_Spec):
+    """Options of Sluice's own paged-attention engine. Unset fields use the engine's
+    defaults (see ``sluice worker --help``)."""
+
+    kv_cache_gib: float | None = Field(None, alias="kvCacheGiB", gt=0,
+                                       description="Memory for the paged KV cache, GiB.")
+    block_size: int | None = Field(None, ge=1, description="Tokens per KV-cache block.")
+    max_num_seqs: int | None = Field(None, ge=1, description="Most sequences in one batch.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Token budget per "
+                                               "engine step (prefill and decode tokens).")
+    max_model_len: int | None = Field(None, ge=1, description="Context length in tokens "
+                                      "(prompt + output); unset: the model's, capped.")
+
+
+class EngineSpec(_Spec):
+    """Which engine runs the model."""
+
+    name: EngineName = Field("native", description="`native` (Sluice's engine) or `vllm`.")
+    native: NativeEngineOptions = Field(default_factory=NativeEngineOptions,
+                                        description="Options of the native engine.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica is sharded over.")
+
+
+class ResourcesSpec(_Spec):
+    """Resources of one replica (Kubernetes quantities; requests = limits)."""
+
+    cpu: Quantity | None = Field(None, description="CPU, e.g. `2` or `500m`.",
+                                 json_schema_extra=_INT_OR_STRING)
+    memory: Quantity | None = Field(None, description="Memory, e.g. `4Gi`.",
+                                    json_schema_extra=_INT_OR_STRING)
+    gpu: int | None = Field(None, alias="nvidia.com/gpu", ge=0, description="NVIDIA GPUs.")
+
+
+class SLOSpec(_Spec):
+    """Latency objectives the autoscaler and the router aim for."""
+
+    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, milliseconds.")
+    itl_ms: float | None = Field(None, gt=0, description="Inter-token latency, milliseconds.")
+    percentile: float = Field(95.0, gt=0, le=100, description="Percentile the objectives "
+                              "apply to, e.g. 95 for p95.")
+
+
+class AutoscalingSpec(_Spec):
+    """How `spec.replicas` is driven. When disabled, `kubectl scale`, an HPA or KEDA may drive
+    it through the scale subresource instead."""
+
+    enabled: bool = Field(False, description="Let Sluice's autoscaler set spec.replicas.")
+    scale_to_zero: bool = Field(False, description="Allow 0 replicas when idle (requires "
+                                "minReplicas: 0).")
+    scale_up_stabilization_seconds: float = Field(0.0, ge=0, description="Seconds a higher "
+                                                  "recommendation must persist before scaling up.")
+    scale_down_stabilization_seconds: float = Field(300.0, ge=0, description="Seconds a lower "
+                                                    "recommendation must persist before scaling down.")
+
+
+class RoutingSpec(_Spec):
+    """How the router spreads requests over replicas."""
+
+    strategy: RoutingStrategy = Field("least-load", description="`least-load`: fewest "
+                                      "in-flight requests, ties rotated.")
+
+
+class CascadeSpec(_Spec):
+    """Serve from a small model first and escalate to bigger ones when it is unsure."""
+
+    tiers: list[str] = Field(min_length=2, description="InferenceService names, smallest "
+                             "first; the last tier always answers.")
+    escalation_threshold: float = Field(0.5, ge=0, le=1, description="Escalate to the next "
+                                        "tier when a tier's confidence (mean token probability, "
+                                        "0..1) is below this.")
+
+
+class InferenceServiceSpec(_Spec):
+    """Desired state of an InferenceService."""
+
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="The engine.")
+    replicas: int = Field(1, ge=0, description="Worker replicas (the scale subresource's "
+                          "field; the autoscaler writes it when enabled).")
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas the autoscaler may set.")
+    max_replicas: int | None = Field(None, ge=1, description="Most replicas the autoscaler "
+                                     "may set; unset: no more than `replicas`.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
+                                     description="Resources of one replica.")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="Latency objectives.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec,
+                                         description="Autoscaling.")
+    routing: RoutingSpec = Field(default_factory=RoutingSpec, description="Routing.")
+    cascade: CascadeSpec | None = Field(None, description="Optional model cascade.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> InferenceServiceSpec:
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas ({self.min_replicas}) must be <= maxReplicas "
+                             f"({self.max_replicas})")
+        if self.autoscaling.scale_to_zero and self.min_replicas != 0:
+            raise ValueError("autoscaling.scaleToZero needs minReplicas: 0")
+        return self
+
+
+class ObjectMeta(BaseModel):
+    """The part of Kubernetes metadata Sluice reads; other keys (uid, labels, ...) are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(max_length=63, pattern=_DNS_LABEL.pattern,
+                      description="DNS-1123 label: lowercase letters, digits and '-'.")
+    namespace: str | None = Field(None, description="Kubernetes namespace.")
+
+
+class InferenceService(BaseModel):
+    """An InferenceService manifest: ``apiVersion``, ``kind``, ``metadata``, ``spec``."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+
+    api_version: Literal["serving.sluice.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["InferenceService"]
+    metadata: ObjectMeta
+    spec: InferenceServiceSpec
+    status: dict[str, Any] | None = Field(None, description="Written by the operator; "
+                                          "ignored on input.")
+
+
+def load_manifest(path: str | Path) -> InferenceService:
+    """Read and validate one InferenceService YAML file.
+
+    Raises:
+        ValueError: the file cannot be read, is not one YAML mapping, or does not validate;
+            the message names the file and each bad field by its YAML path
+            (e.g. ``spec.engine.native.kvCacheGiB``), with a suggestion for misspelled keys.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read manifest {path}: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected one YAML mapping (an InferenceService), "
+                         f"got {type(data).__name__}")
+    return parse_manifest(data, source=str(path))
+
+
+def parse_manifest(data: dict[str, Any], source: str = "<manifest>") -> InferenceService:
+    """Validate an already-parsed manifest; see ``load_manifest`` for the errors raised."""
+    try:
+        return InferenceService.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe_error(err) for err in exc.errors()]
+        raise ValueError(f"{source}: invalid InferenceService:\n  " + "\n  ".join(lines)) from None
+
+
+def _describe_error(err: dict[str, Any]) -> str:
+    loc = [str(part) for part in err["loc"]]
+    where = ".".join(loc) or "(top level)"
+    message = err["msg"]
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"{where}: unknown field{hint} (allowed: {', '.join(allowed)})"
+    if err["type"] not in ("missing",) and "input" in err and not isinstance(err["input"], dict):
+        message += f" (got {err['input']!r})"
+    return f"{where}: {message}"
+
+
+def _allowed_keys(loc: list[str]) -> list[str]:
+    """The YAML keys accepted at ``loc`` (a path of aliases), walking the model classes."""
+    model: Any = InferenceService
+    for part in loc:
+        fields = {(f.alias or name): f for name, f in model.model_fields.items()}
+        field = fields.get(part)
+        if field is None:
+            return []
+        model = _model_of(field.annotation)
+        if model is None:
+            return []
+    return [(f.alias or name) for name, f in model.model_fields.items()]
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    candidates = getattr(annotation, "__args__", None) or (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None

@@ -1,0 +1,338 @@
+"""`sluice up -f MANIFEST`: run an InferenceService as local processes.
+
+Starts ``spec.replicas`` workers on free ports of 127.0.0.1 and one router in front of
+them, each in its own process group, with their output forwarded to this process's stdout
+prefixed by the child's name. Waits (with a deadline) until all are healthy, prints the
+endpoint and a curl line, then supervises: a child that dies is logged and restarted with
+backoff. Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period)
+and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from sluice.api.service import InferenceService, load_manifest
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTART_BACKOFF = 30.0  # seconds
+STABLE_AFTER = 60.0  # seconds up after which a crash counts as the first in a row
+
+
+class StartupError(RuntimeError):
+    """A child exited or stayed unhealthy past the deadline while starting."""
+
+
+@dataclass
+class Child:
+    """One supervised process.
+
+    Attributes:
+        name: log prefix, e.g. ``worker-0`` or ``router``.
+        argv: the command line.
+        url: base URL whose ``/health`` tells readiness.
+        proc: the running process, or None before start.
+        started: ``time.monotonic()`` of the last start.
+        crashes: crashes in a row (reset after ``STABLE_AFTER`` seconds up).
+        restart_at: when to restart it after a crash (monotonic seconds), or None.
+        ready_workers: for the router, how many workers its ``/health`` must list as ready;
+            None for a worker (its ``/health`` 200 is enough).
+    """
+
+    name: str
+    argv: list[str]
+    url: str
+    ready_workers: int | None = None
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    crashes: int = 0
+    restart_at: float | None = None
+    pump: threading.Thread | None = field(default=None, repr=False)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", required=True, type=Path, help="InferenceService YAML")
+    parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
+    parser.add_argument("--port", type=int, default=8000, help="port the router binds")
+    parser.add_argument("--replicas", type=int, default=None,
+                        help="override spec.replicas (number of worker processes)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds to wait for every process to become healthy")
+    parser.add_argument("--grace-period", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping children")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        service = load_manifest(args.file)
+        if args.replicas is not None and args.replicas < 0:
+            raise ValueError(f"--replicas must be >= 0, got {args.replicas}")
+        replicas = service.spec.replicas if args.replicas is None else args.replicas
+        model_path = resolve_model(service)
+        worker_args = worker_arguments(service, model_path)
+    except Exception as exc:  # bad manifest, model fetch failure: one clear line, exit 2
+        logger.error("%s", exc)
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe otherwise
+    children = build_children(worker_args, replicas, args.host, args.port, args.log_level)
+    supervisor = Supervisor(children, grace_period=args.grace_period)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        supervisor.start_all()
+        if not supervisor.wait_healthy(args.startup_timeout, stop):
+            return 0  # stopped by a signal while starting
+        print_ready(service, args.host, args.port, replicas)
+        supervisor.supervise(stop)
+        return 0
+    except StartupError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        supervisor.stop_all()
+
+
+def resolve_model(service: InferenceService) -> str:
+    """The local folder of the manifest's model; ``sluice://`` sources are fetched first.
+
+    Raises:
+        ValueError: a ``pvc://`` source (Kubernetes only).
+        sluice.models.store.ModelStoreError: unknown name, failed fetch, bad folder.
+    """
+    from sluice.models import store
+
+    model = service.spec.model
+    if model.source_scheme == "sluice":
+        return str(store.fetch(model.source_location))
+    if model.source_scheme == "file":
+        return str(store.resolve(model.source))
+    raise ValueError(f"spec.model.source {model.source!r}: pvc:// sources only work in "
+                     "Kubernetes; use file:///path for a local folder")
+
+
+def worker_arguments(service: InferenceService, model_path: str) -> list[str]:
+    """The ``sluice worker`` flags for this manifest (without --host/--port).
+
+    Raises:
+        ValueError: the manifest asks for something ``sluice worker`` has no flag for.
+    """
+    spec = service.spec
+    supported = _worker_flags()
+    wanted: list[tuple[str, object]] = [("--model", model_path),
+                                        ("--served-model-name", spec.model.name)]
+    for name, value in spec.engine.native.model_dump(exclude_none=True).items():
+        wanted.append(("--" + name.replace("_", "-"), value))
+    if spec.model.tokenizer:
+        wanted.append(("--tokenizer", spec.model.tokenizer))
+    if spec.engine.name != "native":
+        wanted.append(("--engine", spec.engine.name))
+    if spec.engine.tensor_parallel_size != 1:
+        wanted.append(("--tensor-parallel-size", spec.engine.tensor_parallel_size))
+    if spec.resources.gpu:
+        wanted.append(("--device", "cuda"))
+    argv: list[str] = []
+    for flag, value in wanted:
+        if supported is not None and flag not in supported:
+            raise ValueError(f"{flag} (from the manifest) is not supported by `sluice worker`")
+        argv += [flag, str(value)]
+    return argv
+
+
+def _worker_flags() -> set[str] | None:
+    """The option strings ``sluice worker`` accepts, or None if it cannot be imported."""
+    try:
+        from sluice.worker import server
+    except ImportError:
+        return None
+    parser = argparse.ArgumentParser()
+    server.add_arguments(parser)
+    return {s for action in parser._actions for s in action.option_strings}
+
+
+def build_children(worker_args: list[str], replicas: int, host: str, port: int,
+                   log_level: str = "INFO") -> list[Child]:
+    """Workers on free local ports, and the router (last) pointing at all of them."""
+    base = [sys.executable, "-m", "sluice.cli", "--log-level", log_level]
+    children = []
+    for i in range(replicas):
+        worker_port = free_port()
+        children.append(Child(f"worker-{i}", [*base, "worker", *worker_args, "--host",
+                                              "127.0.0.1", "--port", str(worker_port)],
+                              f"http://127.0.0.1:{worker_port}"))
+    router_argv = [*base, "router", "--host", host, "--port", str(port)]
+    for worker in children:
+        router_argv += ["--worker", worker.url]
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    children.append(Child("router", router_argv, f"http://{connect_host}:{port}",
+                          ready_workers=replicas))
+    return children
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def print_ready(service: InferenceService, host: str, port: int, replicas: int) -> None:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{shown}:{port}"
+    body = json.dumps({"model": service.spec.model.name,
+                       "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
+    print(f"\nsluice: {service.metadata.name} ready at {url}/v1 "
+          f"(model {service.spec.model.name}, {replicas} worker(s)). Try:\n"
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d {shlex.quote(body)}\n", flush=True)
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops a list of children.
+
+    Args:
+        children: the processes, router last.
+        grace_period: seconds between SIGTERM and SIGKILL in ``stop_all``.
+    """
+
+    def __init__(self, children: list[Child], grace_period: float = 10.0):
+        self.children = children
+        self.grace_period = grace_period
+
+    def start_all(self) -> None:
+        for child in self.children:
+            self._start(child)
+
+    def _start(self, child: Child) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        child.started = time.monotonic()
+        child.restart_at = None
+        child.pump = threading.Thread(target=_forward_output, args=(child.name, child.proc),
+                                      name=f"log-{child.name}", daemon=True)
+        child.pump.start()
+        logger.info("started %s (pid %d): %s", child.name, child.proc.pid, child.url)
+
+    def wait_healthy(self, timeout: float, stop: threading.Event) -> bool:
+        """Block until every worker's ``/health`` answers 200 and the router's lists all
+        workers as ready. Returns False if ``stop`` was set meanwhile.
+
+        Raises:
+            StartupError: a child exited, or the deadline passed.
+        """
+        deadline = time.monotonic() + timeout
+        pending = list(self.children)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for child in list(pending):
+                    if not child.alive():
+                        raise StartupError(f"{child.name} exited with code {child.proc.returncode} "
+                                           "while starting (see its output above)")
+                    if _healthy(client, child):
+                        logger.info("%s is healthy", child.name)
+                        pending.remove(child)
+                if not pending:
+                    break
+                if time.monotonic() > deadline:
+                    names = ", ".join(c.name for c in pending)
+                    raise StartupError(f"not healthy after {timeout:.0f} s: {names}")
+                if stop.wait(0.25):
+                    return False
+        return True
+
+    def supervise(self, stop: threading.Event, period: float = 0.5) -> None:
+        """Until ``stop`` is set: log children that exit and restart them with backoff."""
+        while not stop.wait(period):
+            now = time.monotonic()
+            for child in self.children:
+                if child.restart_at is not None:
+                    if now >= child.restart_at:
+                        logger.info("restarting %s", child.name)
+                        self._start(child)
+                    continue
+                if child.alive():
+                    continue
+                up_for = now - child.started
+                child.crashes = 1 if up_for > STABLE_AFTER else child.crashes + 1
+                delay = min(2.0 ** (child.crashes - 1), MAX_RESTART_BACKOFF)
+                child.restart_at = now + delay
+                logger.error("%s exited with code %s after %.0f s; restarting in %.0f s",
+                             child.name, child.proc.returncode, up_for, delay)
+
+    def stop_all(self) -> None:
+        """SIGTERM every child's process group, wait up to the grace period, then SIGKILL."""
+        running = [c for c in self.children if c.alive()]
+        for child in running:
+            _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_period
+        for child in running:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0f s; killing it", child.name,
+                               self.grace_period)
+                _signal_group(child.proc, signal.SIGKILL)
+                child.proc.wait()
+        for child in self.children:  # the group may hold grandchildren; leave none behind
+            if child.proc is not None:
+                _signal_group(child.proc, signal.SIGKILL)
+            if child.pump is not None:
+                child.pump.join(timeout=2.0)
+        if running:
+            logger.info("stopped %d process(es)", len(running))
+
+
+def _healthy(client: httpx.Client, child: Child) -> bool:
+    try:
+        response = client.get(f"{child.url}/health")
+        if child.ready_workers is None:
+            return response.status_code == 200
+        ready = [w for w in response.json().get("workers", []) if w.get("ready")]
+        return len(ready) >= child.ready_workers
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return False
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):  # the whole group is gone already
+        pass
+
+
+# uvicorn access-log lines of the health polls (router → workers, us → everyone): one per
+# second per process, and never interesting when they succeed.
+_POLL_LINE = re.compile(r'"GET /(health|metrics|v1/models) HTTP/1\.[01]" (200|503)')
+
+
+def _forward_output(name: str, proc: subprocess.Popen) -> None:
+    """Copy a child's output lines to our stdout, prefixed with ``[name]``, until EOF
+    (successful health-poll access lines are dropped)."""
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, b""):
+        text = line.decode(errors="replace")
+        if _POLL_LINE.search(text):
+            continue
+        sys.stdout.write(f"[{name}] {text}")
+        sys.stdout.flush()
+    proc.stdout.close()

@@ -1,0 +1,432 @@
+"""`sluice router`: one OpenAI endpoint in front of several workers.
+
+Every OpenAI route goes through ``route_request``: read ``model`` (and ``stream``) from the
+JSON body, let the policy pick a ready worker that serves the model, forward the raw body,
+and hand back the worker's status and bytes unchanged (streams are relayed chunk by chunk,
+unbuffered). The client going away closes the upstream request, so the worker aborts it and
+frees its KV cache.
+
+Errors are OpenAI error bodies: 400 malformed JSON, 404 unknown model (no worker contacted),
+503 no ready worker, 502 worker unreachable, 504 worker silent past ``--read-timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.types import Receive, Scope, Send
+
+from sluice.api import metrics as names
+from sluice.router.endpoints import Endpoint, EndpointSet, Lease
+from sluice.router.policy import POLICIES, RoutingPolicy, RoutingRequest, make_policy
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and ones the HTTP client or server sets itself.
+DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                        "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection"}
+DROP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding",
+                         "date", "server"}
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
+
+
+@dataclass
+class RouterConfig:
+    """Router settings (flags map 1:1).
+
+    Attributes:
+        workers: worker base URLs.
+        policy: a name in ``sluice.router.policy.POLICIES``.
+        connect_timeout: seconds to open a connection to a worker.
+        read_timeout: seconds to wait for any byte from a worker (the first one, and each gap
+            between stream chunks).
+        poll_interval: seconds between health polls of each worker.
+    """
+
+    workers: list[str] = field(default_factory=list)
+    policy: str = "least-load"
+    connect_timeout: float = 5.0
+    read_timeout: float = 600.0
+    poll_interval: float = 1.0
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of its own (one per app)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(names.ROUTER_REQUESTS, "Requests by served model and HTTP status.",
+                                ["model", "status"], registry=self.registry)
+        self.ttft = Histogram(names.ROUTER_TTFT, "Seconds from request arrival to the first "
+                              "streamed chunk from the worker.", buckets=names.TTFT_BUCKETS,
+                              registry=self.registry)
+        self.itl = Histogram(names.ROUTER_ITL, "Seconds between streamed chunks from the worker.",
+                             buckets=names.ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(names.ROUTER_E2E, "Seconds from request arrival to the end of the "
+                             "worker's response.", buckets=names.E2E_BUCKETS, registry=self.registry)
+        self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "Requests being served by a worker.",
+                               registry=self.registry)
+
+
+@dataclass
+class RouterState:
+    """Everything the request path needs, created in the lifespan."""
+
+    config: RouterConfig
+    endpoints: EndpointSet
+    policy: RoutingPolicy
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was complete."""
+
+
+def openai_error(status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None) -> JSONResponse:
+    """An OpenAI-style error response."""
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+# ---------------------------------------------------------------------------- the proxy path
+
+class _Exchange:
+    """Bookkeeping of one proxied request: the endpoint lease and the metric hooks.
+
+    ``on_chunk`` runs per upstream chunk; ``on_complete`` (idempotent) from ``finally``.
+    """
+
+    def __init__(self, state: RouterState, model: str, endpoint: Endpoint, start: float):
+        self.state, self.model, self.start = state, model, start
+        self.lease = Lease(endpoint)
+        self.status = 0
+        self._last_chunk: float | None = None
+        state.metrics.in_flight.inc()
+
+    def on_chunk(self) -> None:
+        now = time.monotonic()
+        if self._last_chunk is None:
+            self.state.metrics.ttft.observe(now - self.start)
+        else:
+            self.state.metrics.itl.observe(now - self._last_chunk)
+        self._last_chunk = now
+
+    def on_complete(self, counted: bool = True) -> None:
+        """Release the endpoint; count the request unless ``counted`` is False (a connect
+        failure that will be retried elsewhere)."""
+        if not self.lease.release():
+            return
+        self.state.metrics.in_flight.dec()
+        if counted:
+            self.state.metrics.e2e.observe(time.monotonic() - self.start)
+            self.state.metrics.requests.labels(self.model, str(self.status)).inc()
+
+
+async def route_request(request: Request, path: str) -> Response:
+    """Proxy one OpenAI request to a worker; see the module docstring for the error cases.
+
+    Args:
+        request: the client's request (its body is read here).
+        path: the worker path to call, e.g. ``/v1/chat/completions``.
+    """
+    state: RouterState = request.app.state.router
+    start = time.monotonic()
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return _count(state, None, openai_error(400, f"the request body is not valid JSON: {exc}",
+                                                "invalid_request_error"))
+    if not isinstance(body, dict):
+        return _count(state, None, openai_error(400, "the request body must be a JSON object",
+                                                "invalid_request_error"))
+    model = body.get("model")
+    if not isinstance(model, str):
+        return _count(state, None, openai_error(
+            400, "'model' is required and must be a string", "invalid_request_error", "model"))
+    if not state.endpoints.serves(model) or model != model.strip() or not model:
+        if not state.endpoints.any_models_known() and model and model == model.strip():
+            return _count(state, None, openai_error(
+                503, "no worker has reported its models yet; retry shortly", "server_error",
+                code="no_ready_worker"))
+        return _count(state, None, openai_error(
+            404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
+            "model_not_found"))
+    routing = RoutingRequest(model=model, stream=body.get("stream") is True, body=body)
+    headers = _forward_headers(request)
+    tried: set[str] = set()
+    while True:
+        candidates = [e for e in state.endpoints.ready_for(model) if e.url not in tried]
+        if not candidates:
+            if tried:
+                return _count(state, model, openai_error(
+                    502, f"could not connect to any worker serving `{model}`", "server_error",
+                    code="upstream_unreachable"))
+            return _count(state, model, openai_error(
+                503, f"no ready worker serves `{model}`; retry shortly", "server_error",
+                code="no_ready_worker"))
+        endpoint = await state.policy.choose(candidates, routing)
+        exchange = _Exchange(state, model, endpoint, start)
+        try:
+            return await _forward(request, state, endpoint, path, raw, headers, routing, exchange)
+        except httpx.ConnectError as exc:  # nothing was sent: safe to try another worker
+            state.endpoints.mark_down(endpoint, f"connect failed: {exc}")
+            tried.add(endpoint.url)
+
+
+async def _forward(request: Request, state: RouterState, endpoint: Endpoint, path: str,
+                   raw: bytes, headers: dict[str, str], routing: RoutingRequest,
+                   exchange: _Exchange) -> Response:
+    """Send to ``endpoint``; return the response, or raise ConnectError (lease released)."""
+    upstream_request = state.client.build_request("POST", endpoint.url + path, content=raw,
+                                                  headers=headers)
+    streaming = False
+    upstream: httpx.Response | None = None
+    try:
+        upstream = await _unless_disconnected(
+            request.receive, state.client.send(upstream_request, stream=True))
+        exchange.status = upstream.status_code
+        out_headers = _response_headers(upstream)
+        if routing.stream and upstream.status_code == 200:
+            streaming = True
+            return RelayResponse(_relay(upstream, exchange), upstream.status_code, out_headers,
+                                 on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED))
+        content = await _unless_disconnected(request.receive, _read_raw(upstream))
+        return Response(content, upstream.status_code, out_headers)
+    except ClientDisconnected:
+        logger.info("client left; closed the request to %s", endpoint.url)
+        exchange.status = CLIENT_CLOSED
+        return Response(status_code=CLIENT_CLOSED)
+    except httpx.ConnectError:
+        exchange.on_complete(counted=False)
+        raise
+    except httpx.TimeoutException as exc:
+        exchange.status = 504
+        return openai_error(504, f"worker {endpoint.url} did not answer in time "
+                            f"({type(exc).__name__})", "server_error", code="upstream_timeout")
+    except httpx.HTTPError as exc:
+        state.endpoints.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
+        exchange.status = 502
+        return openai_error(502, f"worker {endpoint.url} failed: {type(exc).__name__}",
+                            "server_error", code="upstream_error")
+    finally:
+        if not streaming:
+            if upstream is not None:
+                await upstream.aclose()
+            exchange.on_complete()
+
+
+async def _relay(upstream: httpx.Response, exchange: _Exchange) -> AsyncIterator[bytes]:
+    """Yield the worker's bytes as they arrive; close the upstream response when done,
+    failed, or closed early (client gone)."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            exchange.on_chunk()
+            yield chunk
+    except httpx.HTTPError as exc:  # headers are sent; all we can do is end the stream
+        logger.warning("stream from %s broke: %s: %s", exchange.lease.endpoint.url,
+                       type(exc).__name__, exc)
+    finally:
+        await upstream.aclose()
+        exchange.on_complete()
+
+
+class RelayResponse(Response):
+    """Streams an async byte iterator; stops it as soon as the client disconnects.
+
+    Unlike Starlette's StreamingResponse this always closes the iterator (running its
+    ``finally``) on every exit path, including a disconnect before the first chunk.
+    """
+
+    def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: dict[str, str],
+                 on_disconnect: Callable[[], None] = lambda: None):
+        self.chunks = chunks
+        self.on_disconnect = on_disconnect
+        self.status_code = status_code
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay = asyncio.ensure_future(self._send_all(send))
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone.done() and not relay.done():
+                self.on_disconnect()
+        finally:
+            for task in (relay, gone):
+                task.cancel()
+            results = await asyncio.gather(relay, gone, return_exceptions=True)
+            await self.chunks.aclose()
+        error = results[0]
+        if isinstance(error, Exception) and not isinstance(error, OSError):
+            raise error
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _read_raw(upstream: httpx.Response) -> bytes:
+    return b"".join([chunk async for chunk in upstream.aiter_raw()])
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientDisconnected.
+
+    Must only be called after the request body has been read.
+    """
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST_HEADERS}
+    headers.setdefault("accept-encoding", "identity")  # we relay bytes; don't invite gzip
+    return headers
+
+
+def _response_headers(upstream: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
+
+
+def _count(state: RouterState, model: str | None, response: Response) -> Response:
+    """Count a request answered by the router itself. Unknown names are not used as label
+    values (clients choose them: unbounded), they count as ``model=""``."""
+    state.metrics.requests.labels(model or "", str(response.status_code)).inc()
+    return response
+
+
+# ---------------------------------------------------------------------------- the app
+
+def create_app(config: RouterConfig) -> FastAPI:
+    """Build the router app. The shared HTTP client, the endpoint poller and the policy are
+    created in the lifespan and live in ``app.state.router``.
+
+    Raises:
+        ValueError: unknown policy name.
+    """
+    policy = make_policy(config.policy)  # fail before serving, not on the first request
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        timeout = httpx.Timeout(connect=config.connect_timeout, read=config.read_timeout,
+                                write=config.connect_timeout, pool=config.connect_timeout)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval)
+            app.state.router = RouterState(config, endpoints, policy, RouterMetrics(), client)
+            try:  # a first look, so a router started after its workers serves at once
+                await asyncio.wait_for(endpoints.poll(client), timeout=endpoints.poll_timeout + 1)
+            except asyncio.TimeoutError:
+                pass
+            poller = asyncio.create_task(endpoints.poll_forever(client), name="endpoint-poller")
+            try:
+                yield
+            finally:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
+
+    app = FastAPI(title="sluice router", lifespan=lifespan)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await route_request(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await route_request(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": request.app.state.router.endpoints.model_entries()}
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        """200 while at least one worker is ready, else 503; the body lists the workers."""
+        endpoints: EndpointSet = request.app.state.router.endpoints
+        ready = endpoints.any_ready()
+        body = {"status": "ok" if ready else "no ready worker",
+                "workers": [e.summary() for e in endpoints]}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        registry = request.app.state.router.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker", action="append", default=[], metavar="URL",
+                        help="worker base URL, e.g. http://127.0.0.1:8001 (repeatable)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind")
+    parser.add_argument("--policy", default="least-load", choices=sorted(POLICIES),
+                        help="routing policy")
+    parser.add_argument("--connect-timeout", type=float, default=5.0,
+                        help="seconds to connect to a worker")
+    parser.add_argument("--read-timeout", type=float, default=600.0,
+                        help="seconds to wait for the first byte and between stream chunks")
+    parser.add_argument("--poll-interval", type=float, default=1.0,
+                        help="seconds between health polls of each worker")
+
+
+def _drop_probe_lines(record: logging.LogRecord) -> bool:
+    """uvicorn access-log filter: drop successful GET /health and /metrics (probes)."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) >= 5 and args[1] == "GET"
+                and args[2] in ("/health", "/metrics") and args[4] in (200, 503))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    if not args.worker:
+        logger.warning("no --worker given: every request will get 503")
+    config = RouterConfig(workers=args.worker, policy=args.policy,
+                          connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
+                          poll_interval=args.poll_interval)
+    app = create_app(config)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+    logging.getLogger("uvicorn.access").addFilter(_drop_probe_lines)
+    logger.info("router on http://%s:%d in front of %s", args.host, args.port,
+                ", ".join(args.worker) or "no workers")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=30)
+    return 0

@@ -1,0 +1,165 @@
+"""The router's view of its workers: readiness, served models and in-flight counts.
+
+Discovery is static (``--worker URL``). A background task polls each worker's ``/health``
+and ``/v1/models`` about once a second; routing only reads what the poll last saw and never
+waits on it. In-flight counts are kept by the router itself through ``Lease`` objects, each
+released exactly once from the proxy's ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_FACTOR = 8  # an unreachable worker is polled at most every 8 poll intervals
+
+
+@dataclass
+class Endpoint:
+    """One worker.
+
+    Attributes:
+        url: base URL, no trailing slash, e.g. ``http://127.0.0.1:8001``.
+        ready: the last ``/health`` answered 200 and no connection failed since.
+        models: served model id → the worker's ``/v1/models`` entry (last good answer).
+        models_known: ``/v1/models`` has answered at least once.
+        in_flight: requests the router has sent here that have not finished.
+        failures: consecutive polls that could not reach the worker.
+        next_poll: ``time.monotonic()`` of the next poll (backs off while unreachable).
+    """
+
+    url: str
+    ready: bool = False
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    models_known: bool = False
+    in_flight: int = 0
+    failures: int = 0
+    next_poll: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"url": self.url, "ready": self.ready, "models": sorted(self.models),
+                "in_flight": self.in_flight}
+
+
+class Lease:
+    """Counts one request against an endpoint until ``release`` (idempotent) is called."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+        endpoint.in_flight += 1
+        self._held = True
+
+    def release(self) -> bool:
+        """Return True if this call released the lease, False if it was already released."""
+        if not self._held:
+            return False
+        self._held = False
+        self.endpoint.in_flight -= 1
+        return True
+
+
+class EndpointSet:
+    """A fixed set of endpoints and the poller that keeps their state fresh.
+
+    Args:
+        urls: worker base URLs; duplicates and trailing slashes are dropped.
+        poll_interval: seconds between polls of a reachable worker.
+        poll_timeout: seconds allowed for each ``/health`` or ``/v1/models`` call.
+    """
+
+    def __init__(self, urls: Sequence[str], poll_interval: float = 1.0, poll_timeout: float = 2.0):
+        self._endpoints: dict[str, Endpoint] = {}
+        for url in sorted(u.rstrip("/") for u in urls):
+            self._endpoints.setdefault(url, Endpoint(url))
+        self.poll_interval = poll_interval
+        self.poll_timeout = poll_timeout
+
+    def __iter__(self) -> Iterator[Endpoint]:
+        return iter(self._endpoints.values())
+
+    def __len__(self) -> int:
+        return len(self._endpoints)
+
+    def ready_for(self, model: str) -> list[Endpoint]:
+        """Ready endpoints that serve ``model``, sorted by URL."""
+        return [e for e in self if e.ready and model in e.models]
+
+    def serves(self, model: str) -> bool:
+        """Some endpoint has reported serving ``model`` (ready or not)."""
+        return any(model in e.models for e in self)
+
+    def any_models_known(self) -> bool:
+        """Some endpoint has answered ``/v1/models`` at least once."""
+        return any(e.models_known for e in self)
+
+    def any_ready(self) -> bool:
+        return any(e.ready for e in self)
+
+    def model_entries(self) -> list[dict[str, Any]]:
+        """The union of all workers' ``/v1/models`` entries, one per id, sorted by id."""
+        union: dict[str, dict[str, Any]] = {}
+        for endpoint in self:
+            for model_id, entry in endpoint.models.items():
+                union.setdefault(model_id, entry)
+        return [union[k] for k in sorted(union)]
+
+    def mark_down(self, endpoint: Endpoint, reason: str) -> None:
+        """Stop routing to ``endpoint`` until a poll finds it healthy again."""
+        if endpoint.ready:
+            logger.warning("worker %s marked not ready: %s", endpoint.url, reason)
+        endpoint.ready = False
+        endpoint.next_poll = 0.0
+
+    async def poll(self, client: httpx.AsyncClient) -> None:
+        """Poll every endpoint that is due, concurrently; never raises for a bad worker."""
+        now = time.monotonic()
+        due = [e for e in self if e.next_poll <= now]
+        await asyncio.gather(*(self._poll_one(client, e) for e in due))
+
+    async def poll_forever(self, client: httpx.AsyncClient) -> None:
+        """Run ``poll`` every ``poll_interval`` seconds until cancelled."""
+        while True:
+            try:
+                await self.poll(client)
+            except Exception:  # a bug here must not stop the poller
+                logger.exception("endpoint poll failed")
+            await asyncio.sleep(self.poll_interval)
+
+    async def _poll_one(self, client: httpx.AsyncClient, endpoint: Endpoint) -> None:
+        try:
+            health = await client.get(f"{endpoint.url}/health", timeout=self.poll_timeout)
+            models = await client.get(f"{endpoint.url}/v1/models", timeout=self.poll_timeout)
+        except httpx.HTTPError as exc:
+            endpoint.failures += 1
+            backoff = min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
+            endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
+            if endpoint.ready or endpoint.failures == 1:
+                logger.warning("worker %s unreachable: %s", endpoint.url, _describe(exc))
+            endpoint.ready = False
+            return
+        endpoint.failures = 0
+        endpoint.next_poll = 0.0
+        if models.status_code == 200:
+            try:
+                entries = models.json()["data"]
+                endpoint.models = {str(m["id"]): m for m in entries}
+                endpoint.models_known = True
+            except (ValueError, KeyError, TypeError):
+                logger.warning("worker %s sent a malformed /v1/models answer", endpoint.url)
+        ready = health.status_code == 200
+        if ready != endpoint.ready:
+            logger.info("worker %s is %s (models: %s)", endpoint.url,
+                        "ready" if ready else "not ready", ", ".join(sorted(endpoint.models)) or "?")
+        endpoint.ready = ready
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

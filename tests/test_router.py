@@ -1,0 +1,419 @@
+"""The router: pure policy and bookkeeping first, then real worker processes behind a real
+router process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import free_port, serve
+from sluice.api import metrics as names
+from sluice.models import store
+from sluice.router.endpoints import Endpoint, EndpointSet, Lease
+from sluice.router.policy import LeastLoadPolicy, RoutingRequest, least_load, make_policy
+
+MODEL = store.DEFAULT_MODEL
+
+
+# ------------------------------------------------------------------ pure: policy, bookkeeping
+
+def test_least_load_picks_the_minimum():
+    assert least_load([3, 1, 2]) == 1
+    assert least_load([0]) == 0
+
+
+def test_least_load_ties_rotate_from_start():
+    assert least_load([2, 1, 0, 0], start=3) == 3
+    assert least_load([2, 1, 0, 0], start=0) == 2
+    assert least_load([0, 0, 0], start=4) == 1  # start is taken modulo len
+
+
+def test_least_load_rejects_empty():
+    with pytest.raises(ValueError):
+        least_load([])
+
+
+def test_make_policy():
+    assert isinstance(make_policy("least-load"), LeastLoadPolicy)
+    with pytest.raises(ValueError, match="least-load"):
+        make_policy("nope")
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def test_idle_fleet_gets_round_robin():
+    policy = LeastLoadPolicy()
+    eps = [Endpoint(f"http://w{i}") for i in range(3)]
+    picks = [run(policy.choose(eps, RoutingRequest(MODEL))).url for _ in range(6)]
+    assert picks == ["http://w0", "http://w1", "http://w2"] * 2
+
+
+def test_concurrent_choices_spread_with_leases():
+    """Choosing and leasing back to back (as the router does) never piles onto one worker."""
+    policy = LeastLoadPolicy()
+    eps = [Endpoint("http://a"), Endpoint("http://b")]
+    leases = [Lease(run(policy.choose(eps, RoutingRequest(MODEL)))) for _ in range(10)]
+    assert [e.in_flight for e in eps] == [5, 5]
+    eps[0].in_flight += 3  # a busier worker is avoided
+    assert run(policy.choose(eps, RoutingRequest(MODEL))).url == "http://b"
+    eps[0].in_flight -= 3
+    for lease in leases:
+        assert lease.release() is True
+        assert lease.release() is False  # idempotent
+    assert [e.in_flight for e in eps] == [0, 0]
+
+
+def fake_workers(table: dict[str, tuple[int, list[str]] | None]) -> httpx.AsyncClient:
+    """An httpx client whose transport answers /health and /v1/models per host; a host mapped
+    to None refuses connections. (For the poller's bookkeeping only; the proxy is tested
+    against real workers below.)"""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        entry = table[request.url.host]
+        if entry is None:
+            raise httpx.ConnectError("refused", request=request)
+        status, models = entry
+        if request.url.path == "/health":
+            return httpx.Response(status)
+        return httpx.Response(200, json={"object": "list", "data": [
+            {"id": m, "object": "model"} for m in models]})
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def test_poll_learns_readiness_models_and_backs_off():
+    table = {"a": (200, [MODEL]), "b": (503, [MODEL]), "c": None}
+    endpoints = EndpointSet(["http://c/", "http://a", "http://b", "http://a/"])
+    assert [e.url for e in endpoints] == ["http://a", "http://b", "http://c"]
+
+    async def scenario():
+        async with fake_workers(table) as client:
+            assert endpoints.serves(MODEL) is False and not endpoints.any_models_known()
+            await endpoints.poll(client)
+            assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a"]
+            assert endpoints.serves(MODEL) and not endpoints.serves("other")
+            assert [m["id"] for m in endpoints.model_entries()] == [MODEL]
+            c = list(endpoints)[2]
+            assert c.failures == 1 and c.next_poll > time.monotonic()
+            table["b"] = (200, [MODEL, "other"])
+            await endpoints.poll(client)  # c is not due: backed off
+            assert c.failures == 1
+            assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a", "http://b"]
+            assert [m["id"] for m in endpoints.model_entries()] == [MODEL, "other"]
+            endpoints.mark_down(list(endpoints)[0], "test")
+            assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://b"]
+            await endpoints.poll(client)  # a poll brings it back
+            assert len(endpoints.ready_for(MODEL)) == 2
+
+    run(scenario())
+
+
+# ------------------------------------------------------------------ real workers behind a router
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colors."}],
+        "max_tokens": 6, "temperature": 0}
+COMPLETION = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6,
+              "temperature": 0}
+LONG = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 2000,
+        "ignore_eos": True, "temperature": 1.0}
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of every sample of ``name`` (all label sets) in ``url``'s /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", re.M)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+def successes(url: str) -> float:
+    return metric(url, names.REQUEST_SUCCESS)
+
+
+def wait_until(predicate, timeout: float, period: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(period)
+    return predicate()
+
+
+def idle(urls: list[str]) -> bool:
+    return all(metric(u, names.NUM_RUNNING) == 0 and metric(u, names.KV_CACHE_USAGE) == 0
+               for u in urls)
+
+
+def ready_workers(router_url: str) -> list[str]:
+    return [w["url"] for w in httpx.get(f"{router_url}/health", timeout=5).json()["workers"]
+            if w["ready"]]
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+def serve_router(worker_urls: list[str], port: int):
+    """A router process; unlike ``serve`` it does not need a ready worker to be 'up'."""
+
+    @contextlib.contextmanager
+    def running():
+        args = [sys.executable, "-m", "sluice.cli", "router", "--port", str(port)]
+        for u in worker_urls:
+            args += ["--worker", u]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            def answers():
+                try:
+                    return httpx.get(f"{url}/health", timeout=1).status_code in (200, 503)
+                except httpx.HTTPError:
+                    return False
+            assert wait_until(answers, 30, period=0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+    return running()
+
+
+@pytest.fixture(scope="module")
+def second_worker(model_path, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("worker2") / "worker.log"
+    with serve(["worker", "--model", str(model_path), "--served-model-name", MODEL,
+                "--port", str(port)], port, log=log) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def workers(worker_url, second_worker) -> list[str]:
+    return [worker_url, second_worker]
+
+
+@pytest.fixture(scope="module")
+def dead_worker() -> str:
+    return dead_url()
+
+
+@pytest.fixture(scope="module")
+def router(workers, dead_worker, tmp_path_factory):
+    """A router process in front of the two real workers and one URL where nothing listens."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    args = ["router", "--port", str(port), "--worker", dead_worker]
+    for url in workers:
+        args += ["--worker", url]
+    with serve(args, port, log=log) as url:
+        assert wait_until(lambda: set(ready_workers(url)) == set(workers), 10)
+        yield url
+
+
+def test_non_streamed_chat_and_completion(router):
+    chat = httpx.post(f"{router}/v1/chat/completions", json=CHAT, timeout=60)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"]
+    assert chat.headers["content-type"].startswith("application/json")
+    completion = httpx.post(f"{router}/v1/completions", json=COMPLETION, timeout=60)
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"]
+    assert completion.json()["usage"]["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT),
+                                        ("/v1/completions", COMPLETION)])
+def test_streamed_through_the_router(router, path, body):
+    with httpx.stream("POST", f"{router}{path}", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert len(events) > 3
+    for event in events[:-1]:
+        json.loads(event[len("data: "):])
+
+
+def normalized(raw: bytes) -> bytes:
+    """SSE bytes without what differs per request (ids and timestamps)."""
+    raw = re.sub(rb'"id": ?"[^"]*"', b'"id":""', raw)
+    return re.sub(rb'"created": ?\d+', b'"created":0', raw)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT),
+                                        ("/v1/completions", COMPLETION)])
+def test_stream_bytes_identical_to_direct(router, workers, path, body):
+    def raw_stream(base: str) -> bytes:
+        with httpx.stream("POST", f"{base}{path}", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            return b"".join(r.iter_raw())
+
+    direct = raw_stream(workers[0])
+    proxied = raw_stream(router)
+    assert direct.count(b"data: ") > 3
+    assert normalized(proxied) == normalized(direct)
+
+
+@pytest.mark.parametrize("model", ["no-such-model", "", " " + MODEL, MODEL + " ", "smollm2"])
+def test_unknown_model_is_404_without_contacting_a_worker(router, workers, model):
+    before = [successes(u) for u in workers] + [metric(u, names.PROMPT_TOKENS) for u in workers]
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        r = httpx.post(f"{router}{path}", json={**body, "model": model}, timeout=10)
+        assert r.status_code == 404
+        assert r.json() == {"error": {
+            "message": f"The model `{model}` does not exist.", "type": "invalid_request_error",
+            "param": "model", "code": "model_not_found"}}
+    after = [successes(u) for u in workers] + [metric(u, names.PROMPT_TOKENS) for u in workers]
+    assert after == before
+
+
+def test_malformed_requests_are_400(router):
+    for content in (b"{not json", b"[1, 2]", json.dumps({"prompt": "x"}).encode(),
+                    json.dumps({"model": 7}).encode()):
+        r = httpx.post(f"{router}/v1/completions", content=content,
+                       headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 400, content
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_worker_errors_pass_through(router):
+    r = httpx.post(f"{router}/v1/completions", json={**COMPLETION, "max_tokens": -5}, timeout=10)
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_models_is_the_union_of_workers_models(router):
+    data = httpx.get(f"{router}/v1/models", timeout=10).json()
+    assert data["object"] == "list"
+    assert [m["id"] for m in data["data"]] == [MODEL]
+
+
+def test_dead_worker_is_not_ready_and_traffic_flows(router, dead_worker):
+    assert dead_worker not in ready_workers(router)
+    for _ in range(2):
+        assert httpx.post(f"{router}/v1/completions", json=COMPLETION, timeout=60).status_code == 200
+
+
+def test_least_load_spreads_concurrent_requests(router, workers):
+    before = [successes(u) for u in workers]
+    body = {**COMPLETION, "max_tokens": 8, "ignore_eos": True}
+    with ThreadPoolExecutor(6) as pool:
+        statuses = list(pool.map(
+            lambda _: httpx.post(f"{router}/v1/completions", json=body, timeout=120).status_code,
+            range(6)))
+    assert statuses == [200] * 6
+    served = [successes(u) - b for u, b in zip(workers, before)]
+    assert sum(served) == 6
+    assert min(served) >= 2, served  # least-load with in-flight counts: about 3 and 3
+
+
+def test_router_metrics(router):
+    httpx.post(f"{router}/v1/completions", json={**COMPLETION, "stream": True}, timeout=60)
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    assert f'{names.ROUTER_REQUESTS}{{model="{MODEL}",status="200"}}' in text
+    assert f'{names.ROUTER_REQUESTS}{{model="",status="404"}}' in text
+    assert metric(router, names.ROUTER_TTFT + "_count") >= 1
+    assert metric(router, names.ROUTER_ITL + "_count") >= 1
+    assert metric(router, names.ROUTER_E2E + "_count") >= 1
+    assert metric(router, names.ROUTER_IN_FLIGHT) == 0
+
+
+def test_client_leaving_a_stream_stops_the_worker(router, workers):
+    assert idle(workers)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{router}/v1/completions", json={**LONG, "stream": True}) as r:
+            assert r.status_code == 200
+            start = time.monotonic()
+            for _ in r.iter_raw():
+                if time.monotonic() - start > 0.5:
+                    break
+            assert sum(metric(u, names.NUM_RUNNING) for u in workers) == 1
+            assert any(metric(u, names.KV_CACHE_USAGE) > 0 for u in workers)
+    assert wait_until(lambda: idle(workers), 1.0)
+    assert wait_until(lambda: metric(router, names.ROUTER_IN_FLIGHT) == 0, 1.0)
+
+
+def test_client_leaving_a_plain_request_stops_the_worker(router, workers):
+    assert idle(workers)
+    host, port = router.removeprefix("http://").split(":")
+    body = json.dumps(LONG).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + body)
+        assert wait_until(lambda: sum(metric(u, names.NUM_RUNNING) for u in workers) == 1, 5)
+        time.sleep(0.5)
+        assert sum(metric(u, names.NUM_RUNNING) for u in workers) == 1  # still generating
+    assert wait_until(lambda: idle(workers), 1.0)
+    assert wait_until(lambda: metric(router, names.ROUTER_IN_FLIGHT) == 0, 1.0)
+
+
+def test_only_dead_workers_fail_fast():
+    port = free_port()
+    with serve_router([dead_url(), dead_url()], port) as url:
+        start = time.monotonic()
+        r = httpx.post(f"{url}/v1/completions", json=COMPLETION, timeout=30)
+        assert r.status_code in (502, 503)
+        assert r.json()["error"]["type"] == "server_error"
+        assert time.monotonic() - start < 5
+
+
+def test_loading_worker_gets_no_traffic_then_joins_and_its_death_is_survived(
+        worker_url, model_path, tmp_path):
+    """A worker that is still loading (/health 503) is skipped; once ready it gets traffic;
+    killed, its requests go to the other worker (connect errors are retried elsewhere)."""
+    port = free_port()
+    new = f"http://127.0.0.1:{port}"
+    with serve_router([worker_url, new], free_port()) as router_url:
+        log = open(tmp_path / "worker.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "worker", "--model",
+                                 str(model_path), "--served-model-name", MODEL, "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            sent_while_loading = 0
+            deadline = time.monotonic() + 120
+            while health(new) != 200:
+                assert proc.poll() is None and time.monotonic() < deadline
+                before = health(new)
+                r = httpx.post(f"{router_url}/v1/completions",
+                               json={**COMPLETION, "max_tokens": 1}, timeout=60)
+                assert r.status_code == 200, r.text
+                sent_while_loading += before == 503 and health(new) == 503
+            assert sent_while_loading >= 1
+            assert wait_until(lambda: new in ready_workers(router_url), 5)
+            body = {**COMPLETION, "max_tokens": 4, "ignore_eos": True}
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda _: httpx.post(f"{router_url}/v1/completions", json=body,
+                                                   timeout=120), range(4)))
+            assert successes(new) >= 1
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            for _ in range(3):
+                r = httpx.post(f"{router_url}/v1/completions", json={**COMPLETION, "max_tokens": 1},
+                               timeout=60)
+                assert r.status_code == 200, r.text
+            assert new not in ready_workers(router_url)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+
+def health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0

@@ -1,0 +1,183 @@
+"""The InferenceService manifest model: defaults, validation messages, and every example."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import yaml
+
+from sluice.api.service import (
+    API_VERSION,
+    KIND,
+    InferenceService,
+    RoutingStrategy,
+    load_manifest,
+    parse_manifest,
+)
+from sluice.router.policy import POLICIES
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+MINIMAL = {
+    "apiVersion": API_VERSION,
+    "kind": KIND,
+    "metadata": {"name": "smol"},
+    "spec": {"model": {"name": "SmolLM2-135M-Instruct",
+                       "source": "sluice://SmolLM2-135M-Instruct"}},
+}
+
+
+def with_spec(**changes) -> dict:
+    data = copy.deepcopy(MINIMAL)
+    data["spec"].update(changes)
+    return data
+
+
+def error_of(data: dict) -> str:
+    with pytest.raises(ValueError) as info:
+        parse_manifest(data, source="m.yaml")
+    return str(info.value)
+
+
+def test_minimal_manifest_gets_defaults():
+    service = parse_manifest(MINIMAL)
+    spec = service.spec
+    assert service.metadata.name == "smol"
+    assert spec.replicas == 1 and spec.min_replicas == 1 and spec.max_replicas is None
+    assert spec.engine.name == "native" and spec.engine.tensor_parallel_size == 1
+    assert spec.engine.native.kv_cache_gib is None  # unset: the engine's own default
+    assert spec.routing.strategy == "least-load"
+    assert spec.autoscaling.enabled is False
+    assert spec.slo.percentile == 95
+    assert spec.cascade is None
+    assert spec.model.source_scheme == "sluice"
+    assert spec.model.source_location == "SmolLM2-135M-Instruct"
+
+
+def test_camel_case_aliases_and_python_names_both_work():
+    data = with_spec(engine={"native": {"kvCacheGiB": 0.25, "maxNumSeqs": 8}},
+                     resources={"cpu": 2, "memory": "4Gi", "nvidia.com/gpu": 1},
+                     slo={"ttftMs": 500, "itlMs": 50, "percentile": 99})
+    spec = parse_manifest(data).spec
+    assert spec.engine.native.kv_cache_gib == 0.25 and spec.engine.native.max_num_seqs == 8
+    assert spec.resources.cpu == "2" and spec.resources.gpu == 1  # numbers become quantities
+    assert spec.slo.ttft_ms == 500
+    dumped = parse_manifest(data).model_dump(by_alias=True, exclude_none=True)
+    assert dumped["spec"]["engine"]["native"] == {"kvCacheGiB": 0.25, "maxNumSeqs": 8}
+    assert dumped["spec"]["resources"]["nvidia.com/gpu"] == 1
+    assert parse_manifest(dumped) == parse_manifest(data)  # round trip
+
+
+def test_misspelled_field_is_named_with_a_suggestion():
+    message = error_of(with_spec(engine={"native": {"kvCacheGb": 1}}))
+    assert "m.yaml" in message
+    assert "spec.engine.native.kvCacheGb: unknown field" in message
+    assert "did you mean 'kvCacheGiB'" in message
+
+
+def test_unknown_top_level_spec_field():
+    message = error_of(with_spec(replica=2))
+    assert "spec.replica: unknown field" in message and "'replicas'" in message
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"replicas": -1}, "spec.replicas"),
+    ({"minReplicas": 3, "maxReplicas": 2}, "minReplicas (3) must be <= maxReplicas (2)"),
+    ({"engine": {"name": "tgi"}}, "spec.engine.name"),
+    ({"engine": {"native": {"kvCacheGiB": 0}}}, "spec.engine.native.kvCacheGiB"),
+    ({"engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
+    ({"slo": {"percentile": 120}}, "spec.slo.percentile"),
+    ({"routing": {"strategy": "random"}}, "spec.routing.strategy"),
+    ({"cascade": {"tiers": ["only-one"]}}, "spec.cascade.tiers"),
+    ({"autoscaling": {"scaleToZero": True}}, "scaleToZero needs minReplicas: 0"),
+    ({"model": {"name": "x", "source": "hf://x"}}, "must be sluice://NAME"),
+    ({"model": {"name": "x", "source": "file://relative/dir"}}, "absolute path"),
+    ({"model": {"name": " x", "source": "sluice://x"}}, "spec.model.name"),
+    ({"model": {"source": "sluice://x"}}, "spec.model.name: Field required"),
+])
+def test_bad_values_name_the_field(change, field):
+    assert field in error_of(with_spec(**change))
+
+
+def test_bad_kind_metadata_and_api_version():
+    data = copy.deepcopy(MINIMAL)
+    data["kind"] = "Deployment"
+    data["apiVersion"] = "serving.sluice.dev/v9"
+    data["metadata"]["name"] = "Not_A_DNS_Label"
+    message = error_of(data)
+    assert "kind" in message and "apiVersion" in message and "metadata.name" in message
+
+
+def test_scale_to_zero_with_min_zero_is_valid():
+    spec = parse_manifest(with_spec(replicas=0, minReplicas=0, maxReplicas=3,
+                                    autoscaling={"enabled": True, "scaleToZero": True})).spec
+    assert spec.replicas == 0 and spec.autoscaling.scale_to_zero
+
+
+def test_cascade():
+    spec = parse_manifest(with_spec(cascade={"tiers": ["small", "big"],
+                                             "escalationThreshold": 0.7})).spec
+    assert spec.cascade.tiers == ["small", "big"] and spec.cascade.escalation_threshold == 0.7
+
+
+def test_kubernetes_metadata_extras_are_accepted():
+    data = copy.deepcopy(MINIMAL)
+    data["metadata"].update(namespace="ml", uid="abc", labels={"team": "x"}, generation=3)
+    data["status"] = {"readyReplicas": 1}
+    service = parse_manifest(data)
+    assert service.metadata.namespace == "ml"
+
+
+def test_load_manifest_errors_name_the_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ValueError, match="nope.yaml"):
+        load_manifest(missing)
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("spec: [unclosed\n")
+    with pytest.raises(ValueError, match="bad.yaml: not valid YAML"):
+        load_manifest(bad_yaml)
+    a_list = tmp_path / "list.yaml"
+    a_list.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="list.yaml: expected one YAML mapping"):
+        load_manifest(a_list)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump(with_spec(replicaz=2)))
+    with pytest.raises(ValueError, match=r"typo.yaml: invalid InferenceService:\n  spec.replicaz"):
+        load_manifest(typo)
+
+
+def test_routing_strategies_match_the_router_registry():
+    assert set(get_args(RoutingStrategy)) == set(POLICIES)
+
+
+def test_json_schema_is_documented():
+    """The CRD is generated from this schema: every spec field needs a description."""
+    schema = InferenceService.model_json_schema(by_alias=True)
+    undocumented = [f"{name}.{prop}" for name, definition in schema["$defs"].items()
+                    if name.endswith(("Spec", "Options"))
+                    for prop, body in definition.get("properties", {}).items()
+                    if "description" not in body]
+    assert undocumented == []
+
+
+def test_there_are_examples():
+    assert any(p.name == "smollm2.yaml" for p in EXAMPLES)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_parses(path):
+    service = load_manifest(path)
+    assert service.kind == KIND
+
+
+def test_smollm2_example():
+    spec = load_manifest(ROOT / "examples" / "smollm2.yaml").spec
+    assert spec.model.name == "SmolLM2-135M-Instruct"
+    assert spec.model.source == "sluice://SmolLM2-135M-Instruct"
+    assert spec.replicas == 2 and spec.engine.name == "native"
+    assert spec.engine.native.kv_cache_gib == 0.25
+    assert spec.slo.ttft_ms and spec.slo.itl_ms

@@ -1,0 +1,226 @@
+"""`sluice up`: the manifest → flags mapping, then the real thing driven by the openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from conftest import free_port
+from sluice.api.service import parse_manifest
+from sluice.local.supervisor import build_children, worker_arguments
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "smollm2.yaml"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def manifest(**spec) -> dict:
+    base = {"model": {"name": MODEL, "source": f"sluice://{MODEL}"}}
+    return {"apiVersion": "serving.sluice.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "smol"}, "spec": {**base, **spec}}
+
+
+# ------------------------------------------------------------------ pure: flags and wiring
+
+def test_worker_arguments_from_the_manifest():
+    service = parse_manifest(manifest(engine={"native": {"kvCacheGiB": 0.25, "maxNumSeqs": 8,
+                                                         "blockSize": 32}}))
+    argv = worker_arguments(service, "/models/smol")
+    pairs = dict(zip(argv[::2], argv[1::2]))
+    assert pairs == {"--model": "/models/smol", "--served-model-name": MODEL,
+                     "--kv-cache-gib": "0.25", "--max-num-seqs": "8", "--block-size": "32"}
+
+
+def test_unset_engine_options_are_left_to_the_worker():
+    argv = worker_arguments(parse_manifest(manifest()), "/m")
+    assert argv == ["--model", "/m", "--served-model-name", MODEL]
+
+
+def test_options_the_worker_lacks_are_clear_errors():
+    service = parse_manifest(manifest(engine={"tensorParallelSize": 2}))
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        worker_arguments(service, "/m")
+
+
+def test_children_wiring():
+    children = build_children(["--model", "/m"], 2, "0.0.0.0", 9000)
+    workers, router = children[:2], children[2]
+    assert [c.name for c in children] == ["worker-0", "worker-1", "router"]
+    assert len({w.url for w in workers}) == 2
+    for worker in workers:
+        assert worker.argv[worker.argv.index("worker") + 1:][:2] == ["--model", "/m"]
+        assert worker.argv[worker.argv.index("--port") + 1] == worker.url.rsplit(":", 1)[1]
+    assert [router.argv[i + 1] for i, a in enumerate(router.argv) if a == "--worker"] == \
+        [w.url for w in workers]
+    assert router.url == "http://127.0.0.1:9000" and router.ready_workers == 2
+
+
+def test_pvc_source_is_refused_locally(tmp_path):
+    path = tmp_path / "pvc.yaml"
+    path.write_text(EXAMPLE.read_text().replace("sluice://SmolLM2-135M-Instruct",
+                                                "pvc://models/smol"))
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f", str(path),
+                             "--port", str(free_port())], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert "pvc://" in result.stderr and "Kubernetes" in result.stderr
+
+
+def test_bad_manifest_exits_2_naming_the_field(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(EXAMPLE.read_text().replace("replicas: 2", "replicas: -2"))
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "bad.yaml" in result.stderr and "spec.replicas" in result.stderr
+
+
+# ------------------------------------------------------------------ real processes
+
+class Up:
+    """A running `sluice up` process, its output in a file."""
+
+    def __init__(self, args: list[str], log: Path, timeout: float = 240.0):
+        self.port = free_port()
+        self.log = log
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._out = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "up", "-f", str(EXAMPLE), "--port",
+             str(self.port), *args], stdout=self._out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while "ready at" not in self.output():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"sluice up did not get ready:\n{self.output()[-4000:]}")
+            time.sleep(0.25)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signum)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._out.close()
+
+
+def gone(processes: list[psutil.Process]) -> bool:
+    return not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    """`sluice up -f examples/smollm2.yaml` with the manifest's 2 replicas."""
+    up = Up([], tmp_path_factory.mktemp("up") / "up.log")
+    try:
+        yield up
+    finally:
+        up.close()
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_ready_line_and_curl(up):
+    out = up.output()
+    assert f"ready at {up.url}/v1" in out
+    assert f"curl {up.url}/v1/chat/completions" in out and f'"model": "{MODEL}"' in out
+    workers = httpx.get(f"{up.url}/health", timeout=5).json()["workers"]
+    assert len(workers) == 2 and all(w["ready"] for w in workers)
+
+
+def test_openai_client_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_openai_client_chat_and_completion(client):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
+        temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.usage.completion_tokens <= 8
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time",
+                                           max_tokens=8, temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens <= 8
+
+
+def test_openai_client_stream_with_usage(client):
+    messages = [{"role": "user", "content": "Count to ten."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert all(c.usage is None for c in body)
+    assert last.choices == [] and last.usage is not None
+    text = "".join(c.choices[0].delta.content or "" for c in body if c.choices)
+    assert text == plain.choices[0].message.content
+    assert last.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert last.usage.completion_tokens == plain.usage.completion_tokens
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
+def test_openai_client_completion_stream(client):
+    kwargs = dict(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    *body, last = chunks
+    assert all(c.usage is None for c in body)
+    assert last.usage.completion_tokens == 6
+    assert last.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert "".join(c.choices[0].text for c in body if c.choices) == plain.choices[0].text
+
+
+def test_sigterm_stops_every_child(up):
+    children = up.descendants()
+    assert len(children) >= 3  # two workers and the router
+    assert up.stop(signal.SIGTERM) == 0
+    assert gone(children), [p.pid for p in children if p.is_running()]
+    assert "stopped 3 process(es)" in up.output()
+
+
+def test_replicas_override_restart_and_ctrl_c(tmp_path):
+    """One worker (--replicas 1): killed, it is restarted and serves again; SIGINT exits 0."""
+    up = Up(["--replicas", "1"], tmp_path / "up.log")
+    try:
+        workers = httpx.get(f"{up.url}/health", timeout=5).json()["workers"]
+        assert len(workers) == 1
+        worker = next(p for p in up.descendants() if " worker " in " ".join(p.cmdline()))
+        worker.kill()
+        deadline = time.monotonic() + 120
+        while "restarting worker-0" not in up.output() or \
+                httpx.get(f"{up.url}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, up.output()[-3000:]
+            time.sleep(0.5)
+        r = httpx.post(f"{up.url}/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                          "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        children = up.descendants()
+        assert up.stop(signal.SIGINT) == 0
+        assert gone(children)
+    finally:
+        up.close()
