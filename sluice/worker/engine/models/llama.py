@@ -168,11 +168,16 @@ class LlamaForCausalLM(nn.Module):
         """Load HF-named safetensors shards, fusing q/k/v and gate/up.
 
         Raises:
-            ValueError: a weight is missing or has the wrong shape (names the tensor).
+            ValueError: a shard is unreadable, or a weight is missing or mis-shaped (the
+                message names the file or tensor and the fix).
         """
         weights: dict[str, torch.Tensor] = {}
         for shard in sorted(model_dir.glob("*.safetensors")):
-            weights.update(load_file(shard))
+            try:
+                weights.update(load_file(shard))
+            except Exception as exc:  # safetensors raises its own error types for bad files
+                raise ValueError(f"{shard} is unreadable ({exc}); delete {model_dir} and fetch "
+                                 f"the model again (sluice models fetch NAME)") from exc
         params = dict(self.named_parameters())
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
