@@ -205,3 +205,21 @@ def _run(engine, ids, params):
     while engine.has_unfinished_requests():
         outs.extend(engine.step())
     return outs
+
+
+@pytest.mark.slow
+def test_qwen2_architecture_matches_hf():
+    """The second family (q/k/v biases, 151k vocab) on real Qwen2.5-Coder-0.5B weights."""
+    from sluice.models import store
+
+    path = store.fetch("Qwen2.5-Coder-0.5B-Instruct")
+    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_gib=0.1))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    chat = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write hello world in C"}], tokenize=False, add_generation_prompt=True)
+    ids = [engine.tokenizer.encode(p) for p in ("def quicksort(arr):", "The capital of France is", chat)]
+    outs = engine.generate(ids, greedy(max_tokens=16))
+    for prompt, out in zip(ids, outs):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+        assert out == ref.tolist()
+    assert_pool_idle(engine)
