@@ -1,0 +1,604 @@
+"""The OpenAI HTTP contract: request models, errors, and response/chunk builders.
+
+Pure code (no engine, no torch): the worker's server validates requests with these models
+and shapes engine output into OpenAI JSON with the builders; the router can use the same
+models to read requests. Request models accept unknown fields (clients send extras such as
+``continuous_usage_stats`` or ``user``) but check the types of the known ones strictly, so a
+string where a number belongs is a 400, as with OpenAI.
+
+Shapes follow the OpenAI API: legacy completions logprobs
+``{tokens, token_logprobs, top_logprobs, text_offset}``, chat logprobs
+``{content: [{token, logprob, bytes, top_logprobs: [...]}]}``, errors
+``{"error": {message, type, param, code}}``, SSE ``data: {...}\\n\\n`` ending with
+``data: [DONE]\\n\\n``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default max_logprobs)
+MAX_N = 16  # most choices per prompt
+LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body with an HTTP status.
+
+    Attributes:
+        status_code: HTTP status (4xx for the client's fault, 5xx for ours).
+        message: human-readable; names the numbers involved.
+        param: the request field at fault, or None.
+        code: a stable machine-readable code (``model_not_found``, ...), or None.
+        type: OpenAI error type, ``invalid_request_error`` for any 4xx by default.
+    """
+
+    def __init__(self, status_code: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status_code < 500 else "server_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """The OpenAI error object: ``{"error": {message, type, param, code}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def validation_error(errors: Sequence[dict]) -> APIError:
+    """Turn pydantic/FastAPI validation errors into one 400 naming the first bad field.
+
+    ``errors`` are pydantic error dicts whose ``loc`` may start with ``"body"`` (FastAPI).
+    Malformed JSON (``json_invalid``) gets ``param=None``.
+    """
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
+        return APIError(400, f"request body is not valid JSON: {detail}", code="json_invalid")
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    param = str(loc[0]) if loc and isinstance(loc[0], str) else None
+    where = ".".join(str(p) for p in loc) or "body"
+    return APIError(400, f"{where}: {first.get('msg', 'invalid value')}", param=param)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class _Lenient(BaseModel):
+    """Strict types for known fields, unknown fields kept (and ignored)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # accepted; usage goes in the last chunk only
+
+
+class _GenerationRequest(_Lenient):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None  # checked against the prompt length in max_tokens_for()
+    max_completion_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list. Raises APIError (param ``stop``) on an empty string."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return stops
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output cap the client asked for and the field it came in."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions. ``prompt`` is text, texts, token ids, or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message content as one string. Raises APIError on non-text parts."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"content part type {part.type!r} is not supported; "
+                                    "only text parts are", param="messages")
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def template_messages(self) -> list[dict]:
+        """Messages as plain dicts for the tokenizer's chat template."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(_Lenient):
+    """POST /tokenize: exactly one of ``prompt`` and ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+
+
+class DetokenizeRequest(_Lenient):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """Validate ``data`` with ``model``. Raises APIError (400) naming the first bad field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, param: str) -> None:
+    """Reject an empty prompt, out-of-vocabulary ids, or a prompt that fills the context.
+
+    Raises:
+        APIError: 400 with ``param``; the context message reads
+            "N input tokens, maximum context M".
+    """
+    if not token_ids:
+        raise APIError(400, f"{param} must not be empty", param=param)
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of range [0, {vocab_size})", param=param)
+    if len(token_ids) >= max_model_len:
+        raise APIError(
+            400, f"{len(token_ids)} input tokens, maximum context {max_model_len}: "
+                 "the prompt leaves no room for output tokens",
+            param=param, code="context_length_exceeded")
+
+
+def max_tokens_for(requested: int | None, param: str, prompt_len: int, max_model_len: int,
+                   allow_zero: bool = False) -> int:
+    """The output cap to use: the request's, or the rest of the context when absent.
+
+    Args:
+        requested: ``max_tokens``/``max_completion_tokens`` from the request, or None.
+        param: the field name it came in, for the error.
+        prompt_len: prompt tokens (already known to be < max_model_len).
+        max_model_len: context length in tokens.
+        allow_zero: echo requests may ask for 0 new tokens.
+
+    Raises:
+        APIError: 400 (``param``) when negative, zero without echo, or prompt + output
+            would exceed the context.
+    """
+    if requested is None:
+        return max_model_len - prompt_len
+    lowest = 0 if allow_zero else 1
+    if requested < lowest:
+        raise APIError(400, f"{param} must be at least {lowest}, got {requested}", param=param)
+    if prompt_len + requested > max_model_len:
+        raise APIError(
+            400, f"{param} {requested} + {prompt_len} input tokens = {prompt_len + requested} "
+                 f"tokens, maximum context {max_model_len}",
+            param=param, code="context_length_exceeded")
+    return requested
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+class TokenizerLike(Protocol):
+    def decode(self, token_ids: list[int]) -> str: ...
+    def convert_ids_to_tokens(self, token_id: int) -> str: ...
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet: each byte is shown as one printable char."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+             *range(ord("®"), ord("ÿ") + 1)]
+    char_of = {b: chr(b) for b in shown}
+    for extra, b in enumerate(b for b in range(256) if b not in char_of):
+        char_of[b] = chr(256 + extra)
+    return {c: b for b, c in char_of.items()}
+
+
+class TokenTexts:
+    """Token id → (display text, raw UTF-8 bytes), cached; for logprob entries.
+
+    With a byte-level BPE tokenizer the raw bytes of a token that ends mid-character are
+    exact (and its text shows U+FFFD for the partial character, like vLLM).
+    """
+
+    def __init__(self, tokenizer: TokenizerLike):
+        self._tokenizer = tokenizer
+        self._alphabet = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+        self.entry = lru_cache(maxsize=65536)(self._entry)
+
+    def text(self, token_id: int) -> str:
+        return self.entry(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self.entry(token_id)[1])
+
+    def _entry(self, token_id: int) -> tuple[str, bytes]:
+        if self._alphabet is not None:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            if piece and all(c in self._alphabet for c in piece):
+                raw = bytes(self._alphabet[c] for c in piece)
+                return raw.decode("utf-8", errors="replace"), raw
+        text = self._tokenizer.decode([token_id])
+        return text, text.encode("utf-8")
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+class LogprobLike(Protocol):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class LegacyLogprobs:
+    """Builds completions ``logprobs`` objects, keeping ``text_offset`` across chunks."""
+
+    def __init__(self, texts: TokenTexts, num_top: int):
+        self.texts = texts
+        self.num_top = num_top
+        self.offset = 0  # characters of returned text so far
+
+    def build(self, token_ids: Sequence[int], entries: Sequence[LogprobLike | None] | None
+              ) -> dict:
+        """``{tokens, token_logprobs, top_logprobs, text_offset}`` for ``token_ids``.
+
+        Args:
+            token_ids: the tokens shown, in order.
+            entries: their logprobs, aligned with ``token_ids``; an entry may be None (the
+                first prompt token, which has no context) and gets logprob and top None.
+        """
+        entries = list(entries) if entries is not None else [None] * len(token_ids)
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            text = self.texts.text(token_id)
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            top = {self.texts.text(t): _finite(lp) for t, lp in entry.top[: self.num_top]}
+            top.setdefault(text, _finite(entry.logprob))
+            out["token_logprobs"].append(_finite(entry.logprob))
+            out["top_logprobs"].append(top)
+        return out
+
+
+def chat_logprobs(texts: TokenTexts, entries: Sequence[LogprobLike], num_top: int) -> dict:
+    """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token": texts.text(token_id), "logprob": _finite(logprob),
+                "bytes": texts.bytes(token_id)}
+
+    return {"content": [
+        {**item(e.token_id, e.logprob),
+         "top_logprobs": [item(t, lp) for t, lp in e.top[:num_top]]}
+        for e in entries
+    ], "refusal": None}
+
+
+# --------------------------------------------------------------------------- shaping
+
+
+class OutputLike(Protocol):
+    """What the shapers read from an engine delta (sluice.worker.engine RequestOutput)."""
+
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[LogprobLike] | None
+    prompt_logprobs: list[LogprobLike | None] | None
+    finished: bool
+    finish_reason: str | None
+    num_output_tokens: int
+
+
+@dataclass
+class ChoiceView:
+    """How one choice (one engine request) is shown.
+
+    Attributes:
+        index: the choice index in the response.
+        prompt_ids: the prompt tokens (echo shows them, with logprobs if asked).
+        prompt_text: the prompt as text, shown first when ``echo``.
+        count_prompt: add this prompt's tokens to usage (False for the 2nd..nth choice of
+            one prompt: OpenAI counts a prompt once).
+        echo: prepend the prompt to the output.
+        show_output: False for echo with max_tokens 0 (the engine still makes one token,
+            which is dropped).
+    """
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str = ""
+    count_prompt: bool = True
+    echo: bool = False
+    show_output: bool = True
+
+
+@dataclass
+class _ChoiceState:
+    view: ChoiceView
+    started: bool = False
+    text: list[str] = field(default_factory=list)
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    legacy: LegacyLogprobs | None = None
+
+
+class Shaper:
+    """Turns engine deltas into OpenAI chunks (``on_output``) or one response (``response``).
+
+    Subclasses say how a delta becomes text + logprobs and how a choice is laid out.
+    Usage counts each prompt once and the shown output tokens of every choice.
+    """
+
+    kind: str = ""
+    chunk_kind: str = ""
+
+    def __init__(self, response_id: str, model: str, views: Sequence[ChoiceView],
+                 texts: TokenTexts, num_logprobs: int | None):
+        self.response_id = response_id
+        self.model = model
+        self.created = now()
+        self.texts = texts
+        self.num_logprobs = num_logprobs
+        self.states = {v.index: _ChoiceState(v) for v in views}
+
+    def on_output(self, index: int, out: OutputLike) -> dict | None:
+        """Record one delta; return the chunk to stream, or None when it shows nothing."""
+        state = self.states[index]
+        text, logprobs = self._delta(state, out)
+        state.text.append(text)
+        state.logprobs = self._merge(state.logprobs, logprobs)
+        if out.finished:
+            state.finish_reason = out.finish_reason
+            state.completion_tokens = out.num_output_tokens if state.view.show_output else 0
+        if not text and logprobs is None and not out.finished:
+            return None
+        return self._chunk(index, text, logprobs, state.finish_reason)
+
+    def usage(self) -> dict:
+        prompt = sum(len(s.view.prompt_ids) for s in self.states.values() if s.view.count_prompt)
+        return usage(prompt, sum(s.completion_tokens for s in self.states.values()))
+
+    def usage_chunk(self) -> dict:
+        """The last chunk under ``include_usage``: no choices, only usage."""
+        return envelope(self.chunk_kind, self.response_id, self.created, self.model, [],
+                        self.usage())
+
+    def response(self) -> dict:
+        """The non-streamed body, choices in index order."""
+        choices = [self._choice(i, "".join(s.text), s.logprobs, s.finish_reason)
+                   for i, s in sorted(self.states.items())]
+        return envelope(self.kind, self.response_id, self.created, self.model, choices,
+                        self.usage())
+
+    def first_chunks(self) -> list[dict]:
+        """Chunks to send before any output (chat: the assistant role)."""
+        return []
+
+    def _chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        raise NotImplementedError
+
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        raise NotImplementedError
+
+    def _delta(self, state: _ChoiceState, out: OutputLike) -> tuple[str, dict | None]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _merge(into: dict | None, more: dict | None) -> dict | None:
+        if into is None or more is None:
+            return into if more is None else more
+        for key, values in more.items():
+            if isinstance(values, list):
+                into[key].extend(values)
+        return into
+
+
+class CompletionShaper(Shaper):
+    """/v1/completions: echo, legacy logprobs (``num_logprobs`` alternatives or None)."""
+
+    kind = chunk_kind = "text_completion"
+
+    def _delta(self, state: _ChoiceState, out: OutputLike) -> tuple[str, dict | None]:
+        view = state.view
+        text, ids, entries = "", [], []
+        if not state.started:
+            state.started = True
+            if self.num_logprobs is not None:
+                state.legacy = LegacyLogprobs(self.texts, self.num_logprobs)
+            if view.echo:
+                text = view.prompt_text
+                ids += view.prompt_ids
+                entries += out.prompt_logprobs or [None] * len(view.prompt_ids)
+        if view.show_output:
+            text += out.new_text
+            ids += out.new_token_ids
+            entries += out.new_logprobs or [None] * len(out.new_token_ids)
+        if state.legacy is None or not ids:
+            return text, None
+        return text, state.legacy.build(ids, entries)
+
+    def _chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        return envelope(self.chunk_kind, self.response_id, self.created, self.model,
+                        [completion_choice(index, text, logprobs, finish)])
+
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        return completion_choice(index, text, logprobs, finish)
+
+
+class ChatShaper(Shaper):
+    """/v1/chat/completions: assistant messages, chat logprobs (``num_logprobs`` = top_logprobs
+    when ``logprobs`` is true, else None)."""
+
+    kind = "chat.completion"
+    chunk_kind = "chat.completion.chunk"
+
+    def first_chunks(self) -> list[dict]:
+        return [envelope(self.chunk_kind, self.response_id, self.created, self.model,
+                         [chat_delta_choice(i, {"role": "assistant", "content": ""}, None, None)])
+                for i in sorted(self.states)]
+
+    def _delta(self, state: _ChoiceState, out: OutputLike) -> tuple[str, dict | None]:
+        if self.num_logprobs is None or not out.new_logprobs:
+            return out.new_text, None
+        return out.new_text, chat_logprobs(self.texts, out.new_logprobs, self.num_logprobs)
+
+    def _chunk(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        delta = {"content": text} if text or finish is None else {}
+        return envelope(self.chunk_kind, self.response_id, self.created, self.model,
+                        [chat_delta_choice(index, delta, logprobs, finish)])
+
+    def _choice(self, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        return chat_choice(index, text, logprobs, finish)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    """A fresh response id such as ``cmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None,
+                      finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_delta_choice(index: int, delta: dict, logprobs: dict | None,
+                      finish_reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def envelope(kind: Literal["text_completion", "chat.completion", "chat.completion.chunk"],
+             response_id: str, created: int, model: str, choices: list[dict],
+             usage_: dict | None = None) -> dict:
+    """A response or chunk object; ``usage`` only when given (the last chunk, or non-stream).
+
+    Streamed completions chunks use kind ``text_completion`` too, as OpenAI does.
+    """
+    body = {"id": response_id, "object": kind, "created": created, "model": model,
+            "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def model_list(name: str, max_model_len: int, root: str, created: int | None = None) -> dict:
+    """GET /v1/models: one model, with vLLM's ``max_model_len`` extension."""
+    return {"object": "list", "data": [{
+        "id": name, "object": "model", "created": created or int(time.time()),
+        "owned_by": "sluice", "root": root, "parent": None, "max_model_len": max_model_len,
+    }]}
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: ``data: <json>\\n\\n`` (a str is sent as is, e.g. [DONE])."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                             separators=(",", ":"))
+    return f"data: {payload}\n\n".encode("utf-8")
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def now() -> int:
+    """Unix seconds, for ``created``."""
+    return int(time.time())
+
+

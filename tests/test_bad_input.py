@@ -1,0 +1,308 @@
+"""Bad requests get a 4xx OpenAI error body naming the field, and the worker keeps serving.
+
+Most cases run against the real worker process (``worker_url``); engine failures are
+provoked in-process with a fake engine, and the pure validation helpers are unit-tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+
+from sluice.api import openai as oa
+from sluice.models import store
+from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.server import Worker, create_app
+
+MODEL = store.DEFAULT_MODEL
+MSGS = [{"role": "user", "content": "hi"}]
+LONG = "hello " * 9000  # > 8192 tokens
+
+
+def post(url: str, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(f"{url}{path}", timeout=60, **({"json": body} if body is not None else kw))
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    assert err["message"]
+    if code is not None:
+        assert err["code"] == code
+    assert err["type"] == "invalid_request_error"
+    return err
+
+
+CASES = [
+    # (id, path, body, param)
+    ("max_tokens-zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("max_tokens-negative", "/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ("max_tokens-negative-echo", "/v1/completions",
+     {"prompt": "hi", "max_tokens": -1, "echo": True}, "max_tokens"),
+    ("max_completion_tokens-negative", "/v1/chat/completions",
+     {"messages": MSGS, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ("max_tokens-over-context", "/v1/chat/completions",
+     {"messages": MSGS, "max_tokens": 10**6}, "max_tokens"),
+    ("temperature-negative", "/v1/completions", {"prompt": "hi", "temperature": -0.1},
+     "temperature"),
+    ("top_p-zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("top_p-above-one", "/v1/chat/completions", {"messages": MSGS, "top_p": 1.5}, "top_p"),
+    ("top_k-below-minus-one", "/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k"),
+    ("temperature-string", "/v1/completions", {"prompt": "hi", "temperature": "hot"},
+     "temperature"),
+    ("max_tokens-string", "/v1/chat/completions", {"messages": MSGS, "max_tokens": "ten"},
+     "max_tokens"),
+    ("max_tokens-float", "/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
+    ("stream-string", "/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("prompt-number", "/v1/completions", {"prompt": 123}, "prompt"),
+    ("prompt-missing", "/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("prompt-empty", "/v1/completions", {"prompt": ""}, "prompt"),
+    ("prompt-empty-list", "/v1/completions", {"prompt": []}, "prompt"),
+    ("prompt-empty-token-list", "/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("prompt-bad-token-id", "/v1/completions", {"prompt": [1, 10**9]}, "prompt"),
+    ("prompt-negative-token-id", "/v1/completions", {"prompt": [-5]}, "prompt"),
+    ("logprobs-bool-on-completions", "/v1/completions", {"prompt": "hi", "logprobs": True},
+     "logprobs"),
+    ("logprobs-too-many", "/v1/completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
+    ("messages-empty", "/v1/chat/completions", {"messages": []}, "messages"),
+    ("messages-missing", "/v1/chat/completions", {"max_tokens": 3}, "messages"),
+    ("messages-string", "/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("messages-bad-role", "/v1/chat/completions",
+     {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("messages-image", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages"),
+    ("top_logprobs-without-logprobs", "/v1/chat/completions",
+     {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
+    ("top_logprobs-too-many", "/v1/chat/completions",
+     {"messages": MSGS, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ("n-zero", "/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("stop-empty-string", "/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("stop-number", "/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
+    ("stream_options-string", "/v1/completions",
+     {"prompt": "hi", "stream": True, "stream_options": "yes"}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "stream"])
+def test_bad_field_is_400_naming_it(worker_url, path, body, param, streamed):
+    body = {"model": MODEL, **body}
+    if streamed and "stream" not in body:
+        body["stream"] = True  # must fail before the stream starts: a status, not SSE
+    assert_error(post(worker_url, path, body), 400, param)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 10], ids=["no-max_tokens", "max_tokens"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "stream"])
+def test_prompt_longer_than_context(worker_url, max_tokens, streamed):
+    body = {"model": MODEL, "prompt": LONG, "stream": streamed}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    err = assert_error(post(worker_url, "/v1/completions", body), 400, "prompt",
+                       "context_length_exceeded")
+    max_len = httpx.get(f"{worker_url}/v1/models").json()["data"][0]["max_model_len"]
+    assert re.search(rf"\b\d+ input tokens, maximum context {max_len}\b", err["message"]), err
+    assert "-" not in err["message"]  # never "max_tokens must be >= 1, got -808"
+
+
+def test_chat_longer_than_context(worker_url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}
+    err = assert_error(post(worker_url, "/v1/chat/completions", body), 400, "messages")
+    assert "input tokens, maximum context" in err["message"]
+
+
+def test_prompt_plus_max_tokens_over_context(worker_url):
+    max_len = httpx.get(f"{worker_url}/v1/models").json()["data"][0]["max_model_len"]
+    ids = [28120] * (max_len - 10)  # fits alone, but not with 11+ output tokens
+    err = assert_error(post(worker_url, "/v1/completions",
+                            {"model": MODEL, "prompt": ids, "max_tokens": 11}),
+                       400, "max_tokens", "context_length_exceeded")
+    assert f"{max_len - 10} input tokens" in err["message"]
+    assert str(max_len) in err["message"] and "11" in err["message"]
+
+
+def test_unknown_model_is_404(worker_url):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": MSGS, "stream": True})):
+        r = post(worker_url, path, {"model": "gpt-4o", **body})
+        assert_error(r, 404, "model", "model_not_found")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"null", b'"text"'])
+def test_malformed_body_is_400(worker_url, raw):
+    r = post(worker_url, "/v1/completions", None, content=raw,
+             headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_fields_are_accepted(worker_url):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": "me",
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "frequency_penalty": 0, "some_future_field": {"x": 1}}
+    assert post(worker_url, "/v1/completions", body).status_code == 200
+
+
+def test_tokenizer_routes_reject_bad_input(worker_url):
+    assert_error(post(worker_url, "/tokenize", {}), 400, "prompt")
+    assert_error(post(worker_url, "/tokenize", {"prompt": 5}), 400, "prompt")
+    assert_error(post(worker_url, "/detokenize", {"tokens": [10**9]}), 400, "tokens")
+    assert_error(post(worker_url, "/detokenize", {"tokens": "abc"}), 400, "tokens")
+
+
+def test_worker_keeps_serving_after_bad_requests(worker_url):
+    post(worker_url, "/v1/completions", {"model": MODEL, "prompt": LONG})
+    post(worker_url, "/v1/completions", {"model": MODEL, "prompt": LONG, "stream": True})
+    for i in range(10):
+        r = post(worker_url, "/v1/completions",
+                 {"model": MODEL, "prompt": f"Count: {i}", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+    assert httpx.get(f"{worker_url}/health").status_code == 200
+
+
+# --------------------------------------------------------------------------- fake engine
+
+
+class FakeTokenizer:
+    """Characters are tokens (id = code point), enough for the server's needs."""
+
+    eos_token = bos_token = pad_token = None
+    chat_template = None
+
+    def __len__(self) -> int:
+        return 0x110000
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+class Stats:
+    num_running = num_waiting = 0
+    num_free_blocks = num_total_blocks = 10
+    kv_cache_usage = 0.0
+
+
+class FakeEngine:
+    """Emits "ab" then fails, or vetoes requests like LLMEngine.check_request."""
+
+    tokenizer = FakeTokenizer()
+    max_model_len = 64
+    model_name = "fake"
+
+    def __init__(self, fail_after: int = 1, pool_tokens: int = 10**6):
+        self.fail_after = fail_after
+        self.pool_tokens = pool_tokens
+
+    def check_request(self, prompt, params) -> None:
+        if len(prompt) + params.max_tokens > self.pool_tokens:
+            raise ValueError(f"{len(prompt)} input tokens + max_tokens {params.max_tokens} need "
+                             f"more KV cache than this worker has ({self.pool_tokens} tokens)")
+
+    async def generate(self, prompt, params, request_id):
+        for i in range(self.fail_after):
+            yield RequestOutput(request_id, [97 + i], chr(97 + i), len(prompt), i + 1)
+        raise RuntimeError("engine failed: CUDA error: device-side assert triggered")
+
+    def stats(self) -> Stats:
+        return Stats()
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _fake_app(engine: FakeEngine):
+    worker = Worker(lambda: engine, "fake")
+    worker.start_loading().join()
+    return create_app(worker)
+
+
+def _fake_post(engine: FakeEngine, path: str, body: dict) -> httpx.Response:
+    async def go():
+        transport = httpx.ASGITransport(app=_fake_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            return await client.post(path, json=body)
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5}),
+    ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 5}),
+])
+def test_engine_error_in_stream_is_an_sse_error_then_done(path, body):
+    r = _fake_post(FakeEngine(), path, {**body, "stream": True})
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2] and "engine failed" in events[-2]
+    assert '"a"' in r.text  # the text before the failure was streamed
+
+
+def test_engine_error_without_stream_is_500_body():
+    r = _fake_post(FakeEngine(), "/v1/completions", {"prompt": "hi", "max_tokens": 5})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+
+
+def test_engine_veto_is_400_before_the_stream():
+    engine = FakeEngine(pool_tokens=20)
+    r = _fake_post(engine, "/v1/completions", {"prompt": "hi", "max_tokens": 30, "stream": True})
+    err = assert_error(r, 400, "max_tokens")
+    assert "more KV cache" in err["message"]
+
+
+def test_loading_worker_answers_503():
+    worker = Worker(lambda: FakeEngine(), "fake")  # never started loading
+
+    async def go():
+        transport = httpx.ASGITransport(app=create_app(worker))
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            return (await client.get("/health"),
+                    await client.post("/v1/completions", json={"prompt": "hi"}))
+    health, completion = asyncio.run(go())
+    assert health.status_code == 503 and completion.status_code == 503
+    assert completion.json()["error"]["code"] == "model_loading"
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_max_tokens_for():
+    assert oa.max_tokens_for(None, "max_tokens", 10, 100) == 90
+    assert oa.max_tokens_for(0, "max_tokens", 10, 100, allow_zero=True) == 0
+    with pytest.raises(oa.APIError, match="at least 1, got 0") as e:
+        oa.max_tokens_for(0, "max_tokens", 10, 100)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(oa.APIError, match="91 .* 10 input tokens = 101 tokens, maximum context 100"):
+        oa.max_tokens_for(91, "max_tokens", 10, 100)
+
+
+def test_check_prompt():
+    oa.check_prompt([1, 2], 10, 3, "prompt")
+    with pytest.raises(oa.APIError, match="3 input tokens, maximum context 3"):
+        oa.check_prompt([1, 2, 3], 10, 3, "prompt")
+    with pytest.raises(oa.APIError, match="out of range"):
+        oa.check_prompt([10], 10, 30, "prompt")
+    with pytest.raises(oa.APIError, match="empty"):
+        oa.check_prompt([], 10, 30, "messages")
+
+
+def test_validation_error_names_top_level_field():
+    with pytest.raises(oa.APIError) as e:
+        oa.parse(oa.ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]})
+    assert e.value.param == "messages" and e.value.status_code == 400
+    assert oa.parse(oa.CompletionRequest, {"prompt": "x", "extra": 1}).model_extra == {"extra": 1}

@@ -1,0 +1,343 @@
+"""The worker's OpenAI API against a real `sluice worker` process and the real SmolLM2 model.
+
+Generations are greedy (temperature 0) and short, so the tests stay deterministic and quick;
+one worker serves the whole session (the ``worker_url`` fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluice.api import metrics as names
+from sluice.models import store
+
+MODEL = store.DEFAULT_MODEL
+CHINESE = [{"role": "user", "content": "Translate to Chinese: Hello, how are you?"}]
+EMOJI = [{"role": "user", "content": "Reply with three emoji."}]
+ABC = "ABCDEFGH, ABCDEFGH, ABC"  # greedy continuation: "DEFGH, ABCDEFGH, ..."
+
+
+def post(url: str, path: str, body: dict, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json={"model": MODEL, **body}, timeout=timeout)
+
+
+def ok(url: str, path: str, body: dict) -> dict:
+    r = post(url, path, body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(url: str, path: str, body: dict) -> list[dict]:
+    """POST with stream=true; return the parsed chunks (checks the SSE framing and [DONE])."""
+    chunks, done = [], False
+    with httpx.stream("POST", f"{url}{path}", json={"model": MODEL, **body, "stream": True},
+                      timeout=120.0) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            assert not done, "data after [DONE]"
+            if line == "data: [DONE]":
+                done = True
+            else:
+                chunks.append(json.loads(line[len("data: "):]))
+    assert done, "stream did not end with [DONE]"
+    return chunks
+
+
+def streamed_text(chunks: list[dict], chat: bool) -> str:
+    if chat:
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of the samples named ``name`` on /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name)
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_health_models_and_tokenizer(worker_url):
+    assert httpx.get(f"{worker_url}/health").status_code == 200
+    models = httpx.get(f"{worker_url}/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] > 0
+    tok = httpx.post(f"{worker_url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    assert tok["max_model_len"] == models["data"][0]["max_model_len"]
+    text = httpx.post(f"{worker_url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    chat = httpx.post(f"{worker_url}/tokenize", json={"messages": CHINESE}).json()
+    assert chat["count"] > tok["count"]
+    info = httpx.get(f"{worker_url}/tokenizer_info").json()
+    assert info["vocab_size"] > 0 and info["eos_token"]
+
+
+def test_completion_shape_and_usage(worker_url):
+    body = ok(worker_url, "/v1/completions", {"prompt": ABC, "max_tokens": 5, "temperature": 0})
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["id"].startswith("cmpl-")
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert choice["text"].startswith("DEF")
+    prompt_tokens = httpx.post(f"{worker_url}/tokenize", json={"prompt": ABC}).json()["count"]
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 5,
+                             "total_tokens": prompt_tokens + 5}
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a color."}],
+                              "max_tokens": 8}),
+])
+def test_stream_equals_non_stream_with_usage(worker_url, path, body):
+    body = {**body, "temperature": 0}
+    chat = "chat" in path
+    whole = ok(worker_url, path, body)
+    chunks = stream(worker_url, path, {**body, "stream_options": {"include_usage": True}})
+    expected = whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"]
+    assert streamed_text(chunks, chat) == expected
+    # exactly one usage chunk, the last, with no choices; counts equal the non-streamed ones
+    assert [("usage" in c and c["usage"] is not None) for c in chunks] == \
+        [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks[:-1]]
+    assert finishes[-1] == whole["choices"][0]["finish_reason"]
+    assert all(f is None for f in finishes[:-1])
+    assert len({c["id"] for c in chunks}) == 1
+    if chat:
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_stream_without_include_usage_has_no_usage(worker_url):
+    chunks = stream(worker_url, "/v1/completions", {"prompt": ABC, "max_tokens": 3,
+                                                    "temperature": 0})
+    assert all(c.get("usage") is None for c in chunks)
+    assert all(c["choices"] for c in chunks)
+
+
+@pytest.mark.parametrize("messages", [CHINESE, EMOJI], ids=["chinese", "emoji"])
+def test_non_ascii_stream_has_no_replacement_chars(worker_url, messages):
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0}
+    whole = ok(worker_url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    assert any(ord(ch) > 0x2E7F for ch in whole), f"no CJK/emoji in {whole!r}"
+    assert "\ufffd" not in whole
+    chunks = stream(worker_url, "/v1/chat/completions", body)
+    for chunk in chunks:
+        assert "\ufffd" not in (chunk["choices"][0]["delta"].get("content") or "")
+    assert streamed_text(chunks, chat=True) == whole
+
+
+# --------------------------------------------------------------------------- stop strings
+
+
+def test_stop_string_cuts_across_tokens(worker_url):
+    free = ok(worker_url, "/v1/completions", {"prompt": ABC, "max_tokens": 8, "temperature": 0})
+    text = free["choices"][0]["text"]
+    assert "H, AB" in text, text  # "GH" "," " ABC": the stop string spans three tokens
+    body = {"prompt": ABC, "max_tokens": 8, "temperature": 0, "stop": ["zzz", "H, AB"]}
+    cut = ok(worker_url, "/v1/completions", body)["choices"][0]
+    assert cut["text"] == text[: text.index("H, AB")]
+    assert cut["finish_reason"] == "stop"
+    chunks = stream(worker_url, "/v1/completions", body)
+    assert streamed_text(chunks, chat=False) == cut["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_token_ids_and_ignore_eos(worker_url):
+    ids = httpx.post(f"{worker_url}/tokenize", json={"prompt": "GH"}).json()["tokens"]
+    body = {"prompt": ABC, "max_tokens": 8, "temperature": 0, "stop_token_ids": ids[-1:]}
+    choice = ok(worker_url, "/v1/completions", body)["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    long = ok(worker_url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 24,
+        "temperature": 0, "ignore_eos": True})
+    assert long["usage"]["completion_tokens"] == 24
+    assert long["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------- prompts, echo, logprobs
+
+
+def test_token_id_prompts_match_text_prompts(worker_url):
+    base = {"max_tokens": 4, "temperature": 0}
+    ids = httpx.post(f"{worker_url}/tokenize", json={"prompt": ABC}).json()["tokens"]
+    by_text = ok(worker_url, "/v1/completions", {**base, "prompt": ABC})["choices"][0]["text"]
+    by_ids = ok(worker_url, "/v1/completions", {**base, "prompt": ids})["choices"][0]["text"]
+    assert by_ids == by_text
+    many = ok(worker_url, "/v1/completions", {**base, "prompt": [ids, ids[:5]]})
+    assert [c["index"] for c in many["choices"]] == [0, 1]
+    assert many["choices"][0]["text"] == by_text
+    assert many["usage"]["prompt_tokens"] == len(ids) + 5
+    texts = ok(worker_url, "/v1/completions", {**base, "prompt": [ABC, "Hello"]})
+    assert texts["choices"][0]["text"] == by_text and len(texts["choices"]) == 2
+
+
+def test_echo_with_logprobs(worker_url):
+    prompt = "The sky is"
+    ids = httpx.post(f"{worker_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    body = ok(worker_url, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                              "echo": True, "logprobs": 2})
+    choice = body["choices"][0]
+    assert choice["text"].startswith(prompt)
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(ids) + 3 == len(lp["token_logprobs"]) == len(lp["text_offset"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    assert "".join(lp["tokens"]) == choice["text"]
+    # greedy: the chosen output token is the most likely one
+    for token, top in zip(lp["tokens"][len(ids):], lp["top_logprobs"][len(ids):]):
+        assert max(top, key=top.get) == token
+
+
+def test_echo_with_zero_max_tokens_returns_the_prompt(worker_url):
+    body = ok(worker_url, "/v1/completions", {"prompt": "Hello there", "max_tokens": 0,
+                                              "echo": True, "logprobs": 0})
+    choice = body["choices"][0]
+    assert choice["text"] == "Hello there"
+    assert body["usage"]["completion_tokens"] == 0
+    assert len(choice["logprobs"]["tokens"]) == body["usage"]["prompt_tokens"]
+
+
+def test_chat_logprobs_shape(worker_url):
+    body = ok(worker_url, "/v1/chat/completions", {
+        "messages": EMOJI, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for entry in content:
+        assert set(entry) >= {"token", "logprob", "bytes", "top_logprobs"}
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+    raw = bytes(b for e in content for b in e["bytes"])  # the tokens' bytes spell the text
+    assert raw.decode("utf-8", errors="ignore") == body["choices"][0]["message"]["content"]
+
+
+def test_n_choices_and_seed(worker_url):
+    body = {"prompt": "Once upon a time", "max_tokens": 4, "n": 2, "temperature": 1.0,
+            "seed": 7}
+    first = ok(worker_url, "/v1/completions", body)
+    again = ok(worker_url, "/v1/completions", body)
+    assert [c["index"] for c in first["choices"]] == [0, 1]
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
+    assert first["usage"]["completion_tokens"] == 8
+
+
+def test_openai_client(worker_url):
+    client = openai.OpenAI(base_url=f"{worker_url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=EMOJI, max_tokens=4,
+                                          temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0
+    events = list(client.chat.completions.create(
+        model=MODEL, messages=EMOJI, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    assert text == chat.choices[0].message.content
+    assert events[-1].usage.total_tokens == chat.usage.total_tokens
+    comp = client.completions.create(model=MODEL, prompt=ABC, max_tokens=3, temperature=0)
+    assert comp.choices[0].text.startswith("DEF")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+
+
+# --------------------------------------------------------------------------- metrics, disconnect
+
+
+def test_metrics_exposed(worker_url):
+    ok(worker_url, "/v1/completions", {"prompt": ABC, "max_tokens": 3, "temperature": 0})
+    text = httpx.get(f"{worker_url}/metrics").text
+    for name in (names.TTFT, names.ITL, names.E2E, names.NUM_RUNNING, names.NUM_WAITING,
+                 names.KV_CACHE_USAGE, names.PROMPT_TOKENS, names.GENERATION_TOKENS,
+                 names.REQUEST_SUCCESS):
+        assert name in text, name
+    assert metric(worker_url, names.TTFT + "_count") >= 1
+    assert metric(worker_url, names.ITL + "_count") >= 2
+    reasons = {s.labels.get("finished_reason") for fam in text_string_to_metric_families(text)
+               for s in fam.samples if s.name == names.REQUEST_SUCCESS}
+    assert "length" in reasons
+
+
+def _abort_deadline(url: str) -> float:
+    """1 s, or three engine steps when the machine is slower than that.
+
+    An abort lands at the start of the engine's next step, and the /metrics scrape that
+    sees it takes time too; on a CPU shared with other test runs one step of this worker has
+    been seen to take half a second. The step time is measured now with a short stream.
+    """
+    stamps = []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Once", "max_tokens": 6, "ignore_eos": True,
+            "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.monotonic())
+    step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    return max(1.0, 3 * step)
+
+
+def _wait_idle(url: str, deadline_s: float) -> tuple[float, float, float]:
+    """Poll /metrics until nothing runs and the KV cache is empty; return the final values
+    (running, kv usage) and the seconds it took."""
+    start = time.monotonic()
+    while True:
+        running = metric(url, names.NUM_RUNNING)
+        kv = metric(url, names.KV_CACHE_USAGE)
+        took = time.monotonic() - start
+        if (running == 0 and kv == 0) or took > deadline_s:
+            return running, kv, took
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream", "non-stream"])
+def test_client_disconnect_aborts_generation(worker_url, streamed):
+    deadline = _abort_deadline(worker_url)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
+            "ignore_eos": True, "stream": streamed}
+
+    async def start_then_leave() -> float:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def request():
+                if streamed:
+                    async with client.stream("POST", f"{worker_url}/v1/completions",
+                                             json=body) as r:
+                        async for _ in r.aiter_lines():
+                            pass
+                else:
+                    await client.post(f"{worker_url}/v1/completions", json=body)
+
+            task = asyncio.create_task(request())
+            await asyncio.sleep(0.5)
+            busy = await asyncio.to_thread(
+                lambda: metric(worker_url, names.NUM_RUNNING) + metric(worker_url, names.NUM_WAITING))
+            assert busy >= 1, "the request was not in the engine"
+            task.cancel()  # closes the connection
+            await asyncio.gather(task, return_exceptions=True)
+            return time.monotonic()
+
+    asyncio.run(start_then_leave())
+    running, kv, took = _wait_idle(worker_url, deadline)
+    print(f"abort: idle after {took:.2f} s, deadline {deadline:.2f} s")
+    assert (running, kv) == (0, 0), \
+        f"still busy {took:.2f} s after the client left (deadline {deadline:.2f} s)"
+    assert took <= deadline
