@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 
 import httpx
 import pytest
+import uvicorn
 
 from sluice.api import openai as oa
 from sluice.models import store
 from sluice.worker.engine.outputs import RequestOutput
-from sluice.worker.server import Worker, create_app
+from sluice.worker.server import Worker, WorkerServer, create_app
 
 MODEL = store.DEFAULT_MODEL
 MSGS = [{"role": "user", "content": "hi"}]
@@ -26,7 +34,8 @@ def post(url: str, path: str, body, **kw) -> httpx.Response:
     return httpx.post(f"{url}{path}", timeout=60, **({"json": body} if body is not None else kw))
 
 
-def assert_error(r: httpx.Response, status: int, param: str | None, code: str | None = None) -> dict:
+def assert_error(r: httpx.Response, status: int, param: str | None,
+                 code: str | None = None) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -287,7 +296,7 @@ def test_max_tokens_for():
     with pytest.raises(oa.APIError, match="at least 1, got 0") as e:
         oa.max_tokens_for(0, "max_tokens", 10, 100)
     assert e.value.param == "max_tokens"
-    with pytest.raises(oa.APIError, match="91 .* 10 input tokens = 101 tokens, maximum context 100"):
+    with pytest.raises(oa.APIError, match="91 .* = 101 tokens, maximum context 100"):
         oa.max_tokens_for(91, "max_tokens", 10, 100)
 
 
@@ -306,3 +315,87 @@ def test_validation_error_names_top_level_field():
         oa.parse(oa.ChatCompletionRequest, {"messages": [{"role": "user", "content": 5}]})
     assert e.value.param == "messages" and e.value.status_code == 400
     assert oa.parse(oa.CompletionRequest, {"prompt": "x", "extra": 1}).model_extra == {"extra": 1}
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+class SlowEngine(FakeEngine):
+    """Emits ``n`` tokens, one per ``delay`` seconds, then finishes."""
+
+    def __init__(self, n: int = 8, delay: float = 0.05):
+        super().__init__()
+        self.n, self.delay = n, delay
+
+    async def generate(self, prompt, params, request_id):
+        for i in range(self.n):
+            await asyncio.sleep(self.delay)
+            last = i == self.n - 1
+            yield RequestOutput(request_id, [120], "x", len(prompt), i + 1, finished=last,
+                                finish_reason="length" if last else None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_in_flight_requests():
+    """SIGTERM drops readiness at once but lets a running stream finish."""
+    worker = Worker(lambda: SlowEngine(n=8, delay=0.1), "fake")
+    app = create_app(worker)
+    port = _free_port()
+    server = WorkerServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+                          worker)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "fake worker never became healthy"
+        time.sleep(0.05)
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                      json={"prompt": "hi", "max_tokens": 8, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line).startswith("data: {")
+        server.handle_exit(signal.SIGTERM, None)
+        assert worker.draining
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
+    thread.join(15)
+    assert not thread.is_alive(), "the server did not exit after draining"
+
+    async def health():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+            return await client.get("/health")
+    assert asyncio.run(health()).status_code == 503
+
+
+def _sluice(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sluice.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    result = _sluice("worker", "--model", str(tmp_path / "nope"), "--port", "1", timeout=60)
+    assert result.returncode == 1
+    assert "is not a model folder" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_model_that_fails_to_load_exits_1(tmp_path, model_path):
+    """A folder that looks like a model but whose weights are garbage: the worker starts,
+    never becomes ready, and exits 1."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_path / name, tmp_path / name)
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    result = _sluice("worker", "--model", str(tmp_path), "--port", str(_free_port()),
+                     timeout=180)
+    assert result.returncode == 1
+    assert "failed to load" in result.stderr

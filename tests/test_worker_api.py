@@ -56,7 +56,8 @@ def stream(url: str, path: str, body: dict) -> list[dict]:
 
 def streamed_text(chunks: list[dict], chat: bool) -> str:
     if chat:
-        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        return "".join(c["choices"][0]["delta"].get("content") or ""
+                       for c in chunks if c["choices"])
     return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
 
 
@@ -174,7 +175,7 @@ def test_stop_token_ids_and_ignore_eos(worker_url):
     assert long["choices"][0]["finish_reason"] == "length"
 
 
-# --------------------------------------------------------------------------- prompts, echo, logprobs
+# --------------------------------------------------------------------------- prompts, logprobs
 
 
 def test_token_id_prompts_match_text_prompts(worker_url):
@@ -328,8 +329,8 @@ def test_client_disconnect_aborts_generation(worker_url, streamed):
 
             task = asyncio.create_task(request())
             await asyncio.sleep(0.5)
-            busy = await asyncio.to_thread(
-                lambda: metric(worker_url, names.NUM_RUNNING) + metric(worker_url, names.NUM_WAITING))
+            busy = await asyncio.to_thread(lambda: metric(worker_url, names.NUM_RUNNING)
+                                           + metric(worker_url, names.NUM_WAITING))
             assert busy >= 1, "the request was not in the engine"
             task.cancel()  # closes the connection
             await asyncio.gather(task, return_exceptions=True)

@@ -171,7 +171,12 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def template_messages(self) -> list[dict]:
         """Messages as plain dicts for the tokenizer's chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    """``[{"role", "content"}]`` with text content. Raises APIError on non-text parts."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 class TokenizeRequest(_Lenient):

@@ -99,15 +99,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = store.resolve(args.model)
         served = args.served_model_name or path.name
-        config = EngineConfig(model=str(path), served_model_name=served,
-                              **{k: getattr(args, k) for k in _ENGINE_FLAGS})
+        engine_config = EngineConfig(model=str(path), served_model_name=served,
+                                     **{k: getattr(args, k) for k in _ENGINE_FLAGS})
     except (store.ModelStoreError, ValueError) as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 1
-    worker = Worker(lambda: _load_engine(config), served, root=str(path))
+    worker = Worker(lambda: _load_engine(engine_config), served, root=str(path))
     log_level = str(getattr(args, "log_level", "info")).lower()
-    server = _Server(uvicorn.Config(create_app(worker), host=args.host, port=args.port,
-                                    log_level=log_level, timeout_graceful_shutdown=None), worker)
+    server_config = uvicorn.Config(create_app(worker), host=args.host, port=args.port,
+                                   log_level=log_level, timeout_graceful_shutdown=None)
+    server = WorkerServer(server_config, worker)
     worker.on_load_failed = server.stop
     server.run()
     return 1 if worker.load_error is not None or not server.started else 0
@@ -119,7 +120,7 @@ def _load_engine(config: EngineConfig) -> Engine:
     return AsyncEngine(config)
 
 
-class _Server(uvicorn.Server):
+class WorkerServer(uvicorn.Server):
     """uvicorn that leaves readiness (``/health`` 503) as soon as SIGTERM/SIGINT arrives."""
 
     def __init__(self, config: Any, worker: Worker):
@@ -674,7 +675,7 @@ def _add_tokenizer_routes(app: FastAPI, worker: Worker) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise oa.APIError(400, "give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = oa.template_messages(req.messages)
             ids, _ = await asyncio.to_thread(_chat_prompt, engine.tokenizer, messages,
                                              req.add_generation_prompt is not False)
         else:
@@ -708,7 +709,8 @@ async def _json(request: Request) -> Any:
     try:
         return json.loads(body)
     except ValueError as exc:
-        raise oa.APIError(400, f"request body is not valid JSON: {exc}", code="json_invalid") from None
+        raise oa.APIError(400, f"request body is not valid JSON: {exc}",
+                          code="json_invalid") from None
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -735,4 +737,4 @@ def _install_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
-__all__ = ["Worker", "WorkerMetrics", "add_arguments", "create_app", "run"]
+__all__ = ["Worker", "WorkerMetrics", "WorkerServer", "add_arguments", "create_app", "run"]
