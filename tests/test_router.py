@@ -25,6 +25,7 @@ from sluice.router.endpoints import Endpoint, EndpointSet, Lease
 from sluice.router.policy import LeastLoadPolicy, RoutingRequest, least_load, make_policy
 
 MODEL = store.DEFAULT_MODEL
+slow = pytest.mark.slow  # starts model-loading processes
 
 
 # ------------------------------------------------------------------ pure: policy, bookkeeping
@@ -223,6 +224,7 @@ def router(workers, dead_worker, tmp_path_factory):
         yield url
 
 
+@slow
 def test_non_streamed_chat_and_completion(router):
     chat = httpx.post(f"{router}/v1/chat/completions", json=CHAT, timeout=60)
     assert chat.status_code == 200, chat.text
@@ -234,6 +236,7 @@ def test_non_streamed_chat_and_completion(router):
     assert completion.json()["usage"]["completion_tokens"] > 0
 
 
+@slow
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT),
                                         ("/v1/completions", COMPLETION)])
 def test_streamed_through_the_router(router, path, body):
@@ -253,6 +256,7 @@ def normalized(raw: bytes) -> bytes:
     return re.sub(rb'"created": ?\d+', b'"created":0', raw)
 
 
+@slow
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT),
                                         ("/v1/completions", COMPLETION)])
 def test_stream_bytes_identical_to_direct(router, workers, path, body):
@@ -267,6 +271,7 @@ def test_stream_bytes_identical_to_direct(router, workers, path, body):
     assert normalized(proxied) == normalized(direct)
 
 
+@slow
 @pytest.mark.parametrize("model", ["no-such-model", "", " " + MODEL, MODEL + " ", "smollm2"])
 def test_unknown_model_is_404_without_contacting_a_worker(router, workers, model):
     before = [successes(u) for u in workers] + [metric(u, names.PROMPT_TOKENS) for u in workers]
@@ -280,6 +285,7 @@ def test_unknown_model_is_404_without_contacting_a_worker(router, workers, model
     assert after == before
 
 
+@slow
 def test_malformed_requests_are_400(router):
     for content in (b"{not json", b"[1, 2]", json.dumps({"prompt": "x"}).encode(),
                     json.dumps({"model": 7}).encode()):
@@ -289,23 +295,27 @@ def test_malformed_requests_are_400(router):
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+@slow
 def test_worker_errors_pass_through(router):
     r = httpx.post(f"{router}/v1/completions", json={**COMPLETION, "max_tokens": -5}, timeout=10)
     assert r.status_code == 400 and "error" in r.json()
 
 
+@slow
 def test_models_is_the_union_of_workers_models(router):
     data = httpx.get(f"{router}/v1/models", timeout=10).json()
     assert data["object"] == "list"
     assert [m["id"] for m in data["data"]] == [MODEL]
 
 
+@slow
 def test_dead_worker_is_not_ready_and_traffic_flows(router, dead_worker):
     assert dead_worker not in ready_workers(router)
     for _ in range(2):
         assert httpx.post(f"{router}/v1/completions", json=COMPLETION, timeout=60).status_code == 200
 
 
+@slow
 def test_least_load_spreads_concurrent_requests(router, workers):
     before = [successes(u) for u in workers]
     body = {**COMPLETION, "max_tokens": 8, "ignore_eos": True}
@@ -319,8 +329,10 @@ def test_least_load_spreads_concurrent_requests(router, workers):
     assert min(served) >= 2, served  # least-load with in-flight counts: about 3 and 3
 
 
+@slow
 def test_router_metrics(router):
     httpx.post(f"{router}/v1/completions", json={**COMPLETION, "stream": True}, timeout=60)
+    httpx.post(f"{router}/v1/completions", json={**COMPLETION, "model": "nope"}, timeout=60)
     text = httpx.get(f"{router}/metrics", timeout=10).text
     assert f'{names.ROUTER_REQUESTS}{{model="{MODEL}",status="200"}}' in text
     assert f'{names.ROUTER_REQUESTS}{{model="",status="404"}}' in text
@@ -330,21 +342,27 @@ def test_router_metrics(router):
     assert metric(router, names.ROUTER_IN_FLIGHT) == 0
 
 
+@slow
 def test_client_leaving_a_stream_stops_the_worker(router, workers):
     assert idle(workers)
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{router}/v1/completions", json={**LONG, "stream": True}) as r:
             assert r.status_code == 200
             start = time.monotonic()
-            for _ in r.iter_raw():
-                if time.monotonic() - start > 0.5:
+            received = b""
+            for chunk in r.iter_raw():  # 0.5 s in, and tokens flowing (not just a role chunk)
+                received += chunk
+                if time.monotonic() - start > 0.5 and received.count(b"data: ") >= 3:
                     break
+            else:
+                pytest.fail(f"the stream ended early: {received[-2000:]!r}")
             assert sum(metric(u, names.NUM_RUNNING) for u in workers) == 1
             assert any(metric(u, names.KV_CACHE_USAGE) > 0 for u in workers)
     assert wait_until(lambda: idle(workers), 1.0)
     assert wait_until(lambda: metric(router, names.ROUTER_IN_FLIGHT) == 0, 1.0)
 
 
+@slow
 def test_client_leaving_a_plain_request_stops_the_worker(router, workers):
     assert idle(workers)
     host, port = router.removeprefix("http://").split(":")
@@ -370,10 +388,12 @@ def test_only_dead_workers_fail_fast():
         assert time.monotonic() - start < 5
 
 
+@slow
 def test_loading_worker_gets_no_traffic_then_joins_and_its_death_is_survived(
         worker_url, model_path, tmp_path):
     """A worker that is still loading (/health 503) is skipped; once ready it gets traffic;
-    killed, its requests go to the other worker (connect errors are retried elsewhere)."""
+    stopped, its requests go to the other worker (503s while it drains and connection
+    errors after it exits are retried elsewhere)."""
     port = free_port()
     new = f"http://127.0.0.1:{port}"
     with serve_router([worker_url, new], free_port()) as router_url:
@@ -398,12 +418,14 @@ def test_loading_worker_gets_no_traffic_then_joins_and_its_death_is_survived(
                 list(pool.map(lambda _: httpx.post(f"{router_url}/v1/completions", json=body,
                                                    timeout=120), range(4)))
             assert successes(new) >= 1
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGTERM)  # drains (503), then exits (refused)
             for _ in range(3):
                 r = httpx.post(f"{router_url}/v1/completions", json={**COMPLETION, "max_tokens": 1},
                                timeout=60)
                 assert r.status_code == 200, r.text
+            assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+            assert httpx.post(f"{router_url}/v1/completions", json={**COMPLETION, "max_tokens": 1},
+                              timeout=60).status_code == 200
             assert new not in ready_workers(router_url)
         finally:
             if proc.poll() is None:

@@ -20,6 +20,7 @@ from sluice.local.supervisor import build_children, worker_arguments
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2.yaml"
 MODEL = "SmolLM2-135M-Instruct"
+slow = pytest.mark.slow  # starts model-loading processes
 
 
 def manifest(**spec) -> dict:
@@ -142,6 +143,7 @@ def client(up):
     return OpenAI(base_url=f"{up.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@slow
 def test_ready_line_and_curl(up):
     out = up.output()
     assert f"ready at {up.url}/v1" in out
@@ -150,10 +152,12 @@ def test_ready_line_and_curl(up):
     assert len(workers) == 2 and all(w["ready"] for w in workers)
 
 
+@slow
 def test_openai_client_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+@slow
 def test_openai_client_chat_and_completion(client):
     chat = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8,
@@ -165,6 +169,7 @@ def test_openai_client_chat_and_completion(client):
     assert completion.choices[0].text and completion.usage.completion_tokens <= 8
 
 
+@slow
 def test_openai_client_stream_with_usage(client):
     messages = [{"role": "user", "content": "Count to ten."}]
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
@@ -182,6 +187,7 @@ def test_openai_client_stream_with_usage(client):
     assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
 
 
+@slow
 def test_openai_client_completion_stream(client):
     kwargs = dict(model=MODEL, prompt="One, two,", max_tokens=6, temperature=0,
                   extra_body={"ignore_eos": True})
@@ -195,6 +201,7 @@ def test_openai_client_completion_stream(client):
     assert "".join(c.choices[0].text for c in body if c.choices) == plain.choices[0].text
 
 
+@slow
 def test_sigterm_stops_every_child(up):
     children = up.descendants()
     assert len(children) >= 3  # two workers and the router
@@ -203,6 +210,7 @@ def test_sigterm_stops_every_child(up):
     assert "stopped 3 process(es)" in up.output()
 
 
+@slow
 def test_replicas_override_restart_and_ctrl_c(tmp_path):
     """One worker (--replicas 1): killed, it is restarted and serves again; SIGINT exits 0."""
     up = Up(["--replicas", "1"], tmp_path / "up.log")

@@ -25,10 +25,13 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from sluice.api import metrics as names
+from sluice.api.openai import error_body
 from sluice.router.endpoints import Endpoint, EndpointSet, Lease
 from sluice.router.policy import POLICIES, RoutingPolicy, RoutingRequest, make_policy
 
@@ -99,9 +102,8 @@ class ClientDisconnected(Exception):
 
 def openai_error(status: int, message: str, type_: str, param: str | None = None,
                  code: str | None = None) -> JSONResponse:
-    """An OpenAI-style error response."""
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    """An OpenAI error response (the body shape is ``sluice.api.openai.error_body``'s)."""
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
 # ---------------------------------------------------------------------------- the proxy path
@@ -141,59 +143,86 @@ class _Exchange:
 async def route_request(request: Request, path: str) -> Response:
     """Proxy one OpenAI request to a worker; see the module docstring for the error cases.
 
+    A worker that refuses the connection or answers 503 (loading, draining) has processed
+    nothing, so the request is tried on the next candidate; the worker is marked not ready
+    until the poller sees it healthy again.
+
     Args:
         request: the client's request (its body is read here).
         path: the worker path to call, e.g. ``/v1/chat/completions``.
     """
     state: RouterState = request.app.state.router
     start = time.monotonic()
-    raw = await request.body()
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return _count(state, None, openai_error(400, f"the request body is not valid JSON: {exc}",
-                                                "invalid_request_error"))
-    if not isinstance(body, dict):
-        return _count(state, None, openai_error(400, "the request body must be a JSON object",
-                                                "invalid_request_error"))
-    model = body.get("model")
-    if not isinstance(model, str):
-        return _count(state, None, openai_error(
-            400, "'model' is required and must be a string", "invalid_request_error", "model"))
-    if not state.endpoints.serves(model) or model != model.strip() or not model:
-        if not state.endpoints.any_models_known() and model and model == model.strip():
-            return _count(state, None, openai_error(
-                503, "no worker has reported its models yet; retry shortly", "server_error",
-                code="no_ready_worker"))
-        return _count(state, None, openai_error(
-            404, f"The model `{model}` does not exist.", "invalid_request_error", "model",
-            "model_not_found"))
+        raw = await request.body()
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_CLOSED)
+    body, error = _parse(raw, state.endpoints)
+    if error is not None:
+        return _count(state, None, error)
+    model = body["model"]
     routing = RoutingRequest(model=model, stream=body.get("stream") is True, body=body)
     headers = _forward_headers(request)
     tried: set[str] = set()
-    while True:
-        candidates = [e for e in state.endpoints.ready_for(model) if e.url not in tried]
-        if not candidates:
-            if tried:
-                return _count(state, model, openai_error(
-                    502, f"could not connect to any worker serving `{model}`", "server_error",
-                    code="upstream_unreachable"))
-            return _count(state, model, openai_error(
-                503, f"no ready worker serves `{model}`; retry shortly", "server_error",
-                code="no_ready_worker"))
+    refused_by_all = True
+    while candidates := [e for e in state.endpoints.ready_for(model) if e.url not in tried]:
         endpoint = await state.policy.choose(candidates, routing)
         exchange = _Exchange(state, model, endpoint, start)
         try:
-            return await _forward(request, state, endpoint, path, raw, headers, routing, exchange)
-        except httpx.ConnectError as exc:  # nothing was sent: safe to try another worker
-            state.endpoints.mark_down(endpoint, f"connect failed: {exc}")
+            return await _forward(request, state, endpoint, path, raw, headers, exchange)
+        except _TryElsewhere as exc:
+            state.endpoints.mark_down(endpoint, str(exc))
             tried.add(endpoint.url)
+            refused_by_all &= exc.refused
+    if tried and refused_by_all:
+        return _count(state, model, openai_error(
+            502, f"could not connect to any worker serving `{model}`", "server_error",
+            code="upstream_unreachable"))
+    return _count(state, model, openai_error(
+        503, f"no ready worker serves `{model}`; retry shortly", "server_error",
+        code="no_ready_worker"))
+
+
+def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response | None]:
+    """The JSON body, or an error response: 400 malformed, 404 a model no worker serves,
+    503 no worker has reported its models yet (the router just started)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return {}, openai_error(400, f"the request body is not valid JSON: {exc}",
+                                "invalid_request_error")
+    if not isinstance(body, dict):
+        return {}, openai_error(400, "the request body must be a JSON object",
+                                "invalid_request_error")
+    model = body.get("model")
+    if not isinstance(model, str):
+        return {}, openai_error(400, "'model' is required and must be a string",
+                                "invalid_request_error", "model")
+    well_formed = bool(model) and model == model.strip()
+    if well_formed and endpoints.serves(model):
+        return body, None
+    if well_formed and not endpoints.any_models_known():
+        return {}, openai_error(503, "no worker has reported its models yet; retry shortly",
+                                "server_error", code="no_ready_worker")
+    return {}, openai_error(404, f"The model `{model}` does not exist.",
+                            "invalid_request_error", "model", "model_not_found")
+
+
+class _TryElsewhere(Exception):
+    """The worker did not take the request (``refused``: no connection; else a 503)."""
+
+    def __init__(self, message: str, refused: bool):
+        super().__init__(message)
+        self.refused = refused
 
 
 async def _forward(request: Request, state: RouterState, endpoint: Endpoint, path: str,
-                   raw: bytes, headers: dict[str, str], routing: RoutingRequest,
-                   exchange: _Exchange) -> Response:
-    """Send to ``endpoint``; return the response, or raise ConnectError (lease released)."""
+                   raw: bytes, headers: dict[str, str], exchange: _Exchange) -> Response:
+    """Send to ``endpoint`` and return its answer (streamed when it is an event stream).
+
+    Raises:
+        _TryElsewhere: connection refused or 503; the exchange is released uncounted.
+    """
     upstream_request = state.client.build_request("POST", endpoint.url + path, content=raw,
                                                   headers=headers)
     streaming = False
@@ -202,8 +231,11 @@ async def _forward(request: Request, state: RouterState, endpoint: Endpoint, pat
         upstream = await _unless_disconnected(
             request.receive, state.client.send(upstream_request, stream=True))
         exchange.status = upstream.status_code
+        if upstream.status_code == 503:
+            exchange.on_complete(counted=False)
+            raise _TryElsewhere("answered 503", refused=False)
         out_headers = _response_headers(upstream)
-        if routing.stream and upstream.status_code == 200:
+        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
             streaming = True
             return RelayResponse(_relay(upstream, exchange), upstream.status_code, out_headers,
                                  on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED))
@@ -213,9 +245,9 @@ async def _forward(request: Request, state: RouterState, endpoint: Endpoint, pat
         logger.info("client left; closed the request to %s", endpoint.url)
         exchange.status = CLIENT_CLOSED
         return Response(status_code=CLIENT_CLOSED)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent
         exchange.on_complete(counted=False)
-        raise
+        raise _TryElsewhere(f"connect failed: {exc}", refused=True) from exc
     except httpx.TimeoutException as exc:
         exchange.status = 504
         return openai_error(504, f"worker {endpoint.url} did not answer in time "
