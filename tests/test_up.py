@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -82,6 +83,18 @@ def test_bad_manifest_exits_2_naming_the_field(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "bad.yaml" in result.stderr and "spec.replicas" in result.stderr
+
+
+def test_busy_port_exits_2_before_starting_anything():
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f", str(EXAMPLE),
+                                 "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "started" not in result.stderr
 
 
 # ------------------------------------------------------------------ real processes

@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         replicas = service.spec.replicas if args.replicas is None else args.replicas
         model_path = resolve_model(service)
         worker_args = worker_arguments(service, model_path)
-    except Exception as exc:  # bad manifest, model fetch failure: one clear line, exit 2
+        _check_port_free(args.host, args.port)
+    except Exception as exc:  # bad manifest, model fetch failure, busy port: one line, exit 2
         logger.error("%s", exc)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe otherwise
@@ -186,6 +187,17 @@ def build_children(worker_args: list[str], replicas: int, host: str, port: int,
     children.append(Child("router", router_argv, f"http://{connect_host}:{port}",
                           ready_workers=replicas))
     return children
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raises ValueError if the router's address is taken (before any child starts)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror}); "
+                             "pick another with --port") from None
 
 
 def free_port() -> int:
@@ -333,6 +345,9 @@ def _forward_output(name: str, proc: subprocess.Popen) -> None:
         text = line.decode(errors="replace")
         if _POLL_LINE.search(text):
             continue
-        sys.stdout.write(f"[{name}] {text}")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(f"[{name}] {text}")
+            sys.stdout.flush()
+        except (OSError, ValueError):  # our stdout is gone; keep draining so the child never blocks
+            pass
     proc.stdout.close()
