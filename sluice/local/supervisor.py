@@ -82,14 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit codes: 0 stopped by Ctrl-C/SIGTERM; 1 a child failed to start; 2 bad input
+    (manifest, model source, busy port)."""
     try:
         service = load_manifest(args.file)
         if args.replicas is not None and args.replicas < 0:
             raise ValueError(f"--replicas must be >= 0, got {args.replicas}")
         replicas = service.spec.replicas if args.replicas is None else args.replicas
+        _check_port_free(args.host, args.port)  # before a fetch that may take minutes
         model_path = resolve_model(service)
         worker_args = worker_arguments(service, model_path)
-        _check_port_free(args.host, args.port)
     except Exception as exc:  # bad manifest, model fetch failure, busy port: one line, exit 2
         logger.error("%s", exc)
         return 2
