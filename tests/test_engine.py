@@ -193,10 +193,18 @@ def test_abort_frees_blocks_within_one_step(engine):
 
 
 def test_rejects_requests_that_cannot_fit(engine):
-    with pytest.raises(ValueError, match="maximum context 8192"):
+    with pytest.raises(ValueError, match="8000 input tokens .* maximum context 5824"):
         engine.check_request([1] * 8000, greedy(max_tokens=500))
     with pytest.raises(ValueError, match="empty"):
         engine.check_request([], greedy())
+
+
+def test_context_is_capped_to_what_the_kv_pool_holds(model_path, engine):
+    # 0.25 GiB / (2 * 30 layers * 16 tokens * 3 heads * 64 dims * 4 bytes) = 364 blocks
+    assert engine.scheduler.block_manager.num_blocks == 364
+    assert engine.max_model_len == 364 * 16 == 5824
+    with pytest.raises(ValueError, match="max_model_len 8192 is more than the KV cache holds"):
+        LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.25, max_model_len=8192))
 
 
 def _run(engine, ids, params):

@@ -57,6 +57,7 @@ class Engine(Protocol):
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                  request_id: str) -> AsyncIterator[RequestOutput]: ...
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
     def stats(self) -> Any: ...
     def shutdown(self) -> None: ...
 
@@ -432,14 +433,9 @@ def _engine_check(engine: Engine, choices: list[Choice]) -> None:
     Raises:
         APIError: 400 (param ``max_tokens``) with the engine's reason.
     """
-    check = getattr(engine, "check_request", None)
-    if check is None:  # AsyncEngine keeps it on its LLMEngine for now
-        check = getattr(getattr(engine, "engine", None), "check_request", None)
-    if check is None:
-        return
     for choice in choices:
         try:
-            check(choice.view.prompt_ids, choice.params)
+            engine.check_request(choice.view.prompt_ids, choice.params)
         except ValueError as exc:
             raise oa.APIError(400, str(exc), param="max_tokens") from None
 

@@ -87,7 +87,7 @@ class AsyncEngine:
                 before the first output, so a server can still answer 400.
             RuntimeError: an engine step failed (the message carries its error).
         """
-        self.engine.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -109,6 +109,11 @@ class AsyncEngine:
                 self.abort(request_id)
             with self._lock:
                 self._queues.pop(request_id, None)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the engine could never run this request
+        (``LLMEngine.check_request``); cheap, so a server can answer 400 before streaming."""
+        self.engine.check_request(prompt_token_ids, params)
 
     def abort(self, request_id: str) -> None:
         """Abort a live request (no-op if it already finished). Thread-safe."""

@@ -55,24 +55,30 @@ class LLMEngine:
         self.runner = ModelRunner(hf_config, model_dir, self.max_model_len, config.block_size,
                                   int(config.kv_cache_gib * 2**30), config.dtype, config.device)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < self.max_model_len:  # like vLLM: one request must always fit the pool
+            if config.max_model_len:
+                raise ValueError(f"max_model_len {config.max_model_len} is more than the KV cache "
+                                 f"holds ({capacity} tokens); raise kv_cache_gib or lower max_model_len")
+            logger.warning("KV cache holds %d tokens: capping max_model_len %d to it",
+                           capacity, self.max_model_len)
+            self.max_model_len = capacity
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Reject a request the engine could never finish.
 
         Raises:
-            ValueError: empty prompt, prompt + max_tokens over the context, or more KV blocks
-                than the whole pool.
+            ValueError: empty prompt, max_tokens < 1, or prompt + max_tokens over the context
+                (which the KV pool always holds: see ``__init__``).
         """
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
+        if params.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(f"{n} input tokens + max_tokens {params.max_tokens} exceeds the "
                              f"maximum context {self.max_model_len}")
-        pool = self.scheduler.block_manager
-        if pool.blocks_for(n + params.max_tokens) > pool.num_blocks:
-            raise ValueError(f"{n} input tokens + max_tokens {params.max_tokens} need more KV "
-                             f"cache than this worker has ({pool.num_blocks * pool.block_size} tokens)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (validated with ``check_request`` first)."""
