@@ -1,0 +1,365 @@
+"""The request path of `sluice worker`, from a validated OpenAI request to the HTTP response.
+
+Preparation: tokenize off the event loop and validate, giving one ``Choice`` (one engine
+request) per prompt of a list and per ``n``. Generation: every choice runs as its own engine
+request; their deltas are merged and shaped (sluice.api.openai shapers) into SSE chunks or
+one JSON response. A client that goes away aborts its engine requests: for streams the
+response generator is closed; for plain responses a watcher on the ASGI ``receive`` channel
+cancels the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from sluice.api import openai as oa
+from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.metrics import RequestTimer, WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+
+class Engine(Protocol):
+    """What the worker needs from sluice.worker.engine.async_engine.AsyncEngine."""
+
+    tokenizer: Any
+    max_model_len: int
+    model_name: str
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]: ...
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def stats(self) -> Any: ...
+    def shutdown(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- preparation
+
+
+@dataclasses.dataclass
+class Choice:
+    """One engine request of a response and how to show it."""
+
+    view: oa.ChoiceView
+    params: SamplingParams
+
+
+def _sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, max_tokens: int,
+                     number: int, logprobs: int | None, prompt_logprobs: int | None
+                     ) -> SamplingParams:
+    """Engine parameters for choice ``number`` (0..n-1) of a prompt.
+
+    With a seed, choice j uses seed + j so the n samples differ but stay reproducible.
+    """
+    seed = req.seed if req.seed is None or number == 0 else (req.seed + number) % 2**63
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        seed=seed,
+        stop=req.stop_strings(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _tokenize_prompts(tokenizer: Any, prompt: Any) -> list[tuple[list[int], str | None]]:
+    """A completions ``prompt`` as (token ids, text or None) per prompt.
+
+    Raises:
+        APIError: 400 (param ``prompt``) for an empty list.
+    """
+    if isinstance(prompt, str):
+        return [(tokenizer.encode(prompt), prompt)]
+    if not prompt:
+        raise oa.APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [(list(prompt), None)]
+    if isinstance(prompt[0], str):
+        return [(tokenizer.encode(p), p) for p in prompt]
+    return [(list(p), None) for p in prompt]
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True
+                ) -> tuple[list[int], str]:
+    """Render ``messages`` with the tokenizer's chat template; return (token ids, text).
+
+    Blocking (template rendering and tokenization): call it off the event loop.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        messages: OpenAI messages already in template form (``oa.template_messages``).
+        add_generation_prompt: end with the assistant turn's opening, as for generation.
+
+    Raises:
+        APIError: 400 (param ``messages``) when the template rejects the messages.
+    """
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False)
+    except Exception as exc:  # jinja raise_exception, missing template, ...
+        raise oa.APIError(400, f"the chat template rejected the messages: {exc}",
+                          param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False), text
+
+
+async def completion_choices(engine: Engine, req: oa.CompletionRequest) -> list[Choice]:
+    """Tokenize and validate a completions request into one Choice per prompt and n.
+
+    Tokenizes on a worker thread. Choice ``index`` is ``prompt_number * n + j``; only the
+    first choice of each prompt counts the prompt's tokens in usage. With ``echo`` and
+    ``max_tokens=0`` a choice still runs one engine step but shows no output.
+
+    Raises:
+        APIError: 400 for an empty or over-long prompt, bad token ids, or bad max_tokens.
+    """
+    prompts = await asyncio.to_thread(_tokenize_prompts, engine.tokenizer, req.prompt)
+    requested, param = req.requested_max_tokens()
+    vocab = len(engine.tokenizer)
+    plans = []
+    for ids, _ in prompts:
+        oa.check_prompt(ids, vocab, engine.max_model_len, "prompt")
+        plans.append(oa.max_tokens_for(requested, param, len(ids), engine.max_model_len,
+                                       allow_zero=bool(req.echo)))
+    n = req.n or 1
+    choices = []
+    for p, ((ids, text), max_tokens) in enumerate(zip(prompts, plans)):
+        if req.echo and text is None:
+            text = engine.tokenizer.decode(ids)
+        for j in range(n):
+            view = oa.ChoiceView(index=p * n + j, prompt_ids=ids, prompt_text=text or "",
+                                 count_prompt=j == 0, echo=bool(req.echo),
+                                 show_output=max_tokens > 0)
+            params = _sampling_params(req, max(max_tokens, 1), j, req.logprobs,
+                                      req.logprobs if req.echo else None)
+            choices.append(Choice(view, params))
+    return choices
+
+
+async def chat_choices(engine: Engine, req: oa.ChatCompletionRequest) -> list[Choice]:
+    """Render, tokenize and validate a chat request into ``n`` Choices (indices 0..n-1).
+
+    Renders and tokenizes on a worker thread.
+
+    Raises:
+        APIError: 400 for bad messages, an over-long prompt, bad max_tokens or top_logprobs
+            without logprobs.
+    """
+    if req.top_logprobs is not None and not req.logprobs:
+        raise oa.APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    messages = req.template_messages()
+    ids, _ = await asyncio.to_thread(chat_prompt, engine.tokenizer, messages)
+    oa.check_prompt(ids, len(engine.tokenizer), engine.max_model_len, "messages")
+    requested, param = req.requested_max_tokens()
+    max_tokens = oa.max_tokens_for(requested, param, len(ids), engine.max_model_len)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return [Choice(oa.ChoiceView(index=j, prompt_ids=ids, count_prompt=j == 0),
+                   _sampling_params(req, max_tokens, j, logprobs, None))
+            for j in range(req.n or 1)]
+
+
+def _engine_check(engine: Engine, choices: list[Choice]) -> None:
+    """Let the engine veto requests it could never run (e.g. more KV than its whole pool).
+
+    Raises:
+        APIError: 400 (param ``max_tokens``) with the engine's reason.
+    """
+    for choice in choices:
+        try:
+            engine.check_request(choice.view.prompt_ids, choice.params)
+        except ValueError as exc:
+            raise oa.APIError(400, str(exc), param="max_tokens") from None
+
+
+# --------------------------------------------------------------------------- generation
+
+
+async def _pump(engine: Engine, choice: Choice, request_id: str, timer: RequestTimer,
+                queue: asyncio.Queue) -> None:
+    """Feed one engine request's deltas into ``queue`` as (index, output), then (index, None).
+
+    An engine error is put on the queue as the exception. Cancelling the task leaves the
+    engine's generator, which aborts the request and frees its KV blocks.
+    """
+    index = choice.view.index
+    try:
+        stream = engine.generate(choice.view.prompt_ids, choice.params, request_id)
+        async with aclosing(stream) as outputs:
+            async for out in outputs:
+                timer.observe(out)
+                queue.put_nowait((index, out))
+        queue.put_nowait((index, None))
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer
+        queue.put_nowait(exc)
+    finally:
+        timer.close()
+
+
+async def _outputs(metrics: WorkerMetrics, engine: Engine, choices: list[Choice],
+                   response_id: str, arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run every choice as its own engine request; yield (choice index, delta) as they come.
+
+    Raises:
+        Exception: the first engine error (the other requests are aborted).
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [
+        asyncio.create_task(_pump(engine, c, f"{response_id}-{c.view.index}",
+                                  metrics.track(arrival, len(c.view.prompt_ids)), queue))
+        for c in choices
+    ]
+    try:
+        pending = len(tasks)
+        while pending:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            index, out = item
+            if out is None:
+                pending -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper) -> dict:
+    async with aclosing(outputs) as stream:
+        async for index, out in stream:
+            shaper.on_output(index, out)
+    return shaper.response()
+
+
+async def _sse(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper,
+               include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body: chunks, the usage chunk if asked, then [DONE].
+
+    An engine error becomes an SSE error event followed by [DONE].
+    """
+    async with aclosing(outputs) as stream:
+        try:
+            for chunk in shaper.first_chunks():
+                yield oa.sse(chunk)
+            async for index, out in stream:
+                chunk = shaper.on_output(index, out)
+                if chunk is not None:
+                    yield oa.sse(chunk)
+            if include_usage:
+                yield oa.sse(shaper.usage_chunk())
+        except Exception as exc:  # noqa: BLE001 - reported in-band: headers are sent
+            logger.exception("generation failed inside stream %s", shaper.response_id)
+            yield oa.sse(oa.error_body(f"generation failed: {exc}", "server_error",
+                                       code="engine_error"))
+    yield oa.SSE_DONE
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body generator when the response ends.
+
+    Starlette cancels the send loop when the client disconnects but leaves the generator
+    suspended; closing it here aborts the engine requests at once instead of at GC.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready (its work was cancelled)."""
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work`` (a coroutine), cancelling it if the client disconnects first.
+
+    Raises:
+        ClientGone: the client went away (the work was cancelled).
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def generate_response(request: Request, metrics: WorkerMetrics, engine: Engine,
+                            choices: list[Choice], shaper: oa.Shaper, arrival: float,
+                            stream: bool, include_usage: bool) -> Response:
+    """Run validated choices and answer as SSE or as one JSON response.
+
+    Every response carries the ``x-sluice-*`` load headers. A stream reports an engine error
+    in-band (an SSE error event, then [DONE]); a client that leaves aborts every choice's
+    engine request, and a plain response then answers 499.
+
+    Args:
+        request: the HTTP request, watched for a client disconnect.
+        metrics: fed each choice's tokens and latencies.
+        engine: the loaded engine.
+        choices: from ``completion_choices`` or ``chat_choices``.
+        shaper: turns engine deltas into the OpenAI chunks or body.
+        arrival: when the request arrived, in seconds of ``time.monotonic()``; the start of
+            TTFT and E2E.
+        stream: answer as Server-Sent Events.
+        include_usage: (streams) add the usage chunk before [DONE].
+
+    Raises:
+        APIError: 400 when the engine could never run a choice (e.g. more KV-cache than its
+            whole pool); 500 ``engine_error`` when generation fails before a plain response.
+    """
+    _engine_check(engine, choices)
+    outputs = _outputs(metrics, engine, choices, shaper.response_id, arrival)
+    headers = _load_headers(engine)
+    if stream:
+        return _ClosingStreamingResponse(_sse(outputs, shaper, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", **headers})
+    try:
+        body = await _unless_disconnected(request, _collect(outputs, shaper))
+    except ClientGone:
+        logger.info("client left; aborted %s", shaper.response_id)
+        return Response(status_code=499)
+    except Exception as exc:  # noqa: BLE001 - an engine failure, not the client's fault
+        logger.exception("generation failed for %s", shaper.response_id)
+        raise oa.APIError(500, f"generation failed: {exc}", code="engine_error") from None
+    return JSONResponse(body, headers=headers)
+
+
+def _load_headers(engine: Engine) -> dict[str, str]:
+    """Cheap load report for the router on every generation response."""
+    s = engine.stats()
+    return {"x-sluice-num-running": str(s.num_running),
+            "x-sluice-num-waiting": str(s.num_waiting),
+            "x-sluice-kv-cache-usage": f"{s.kv_cache_usage:.4f}"}
+
+
+__all__ = ["Choice", "ClientGone", "Engine", "chat_choices", "chat_prompt", "completion_choices",
+           "generate_response"]
