@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -129,9 +130,18 @@ class Up:
         return self.proc.wait(timeout)
 
     def close(self) -> None:
+        """Stop it the way a user would (SIGTERM: it stops its children); kill what is left."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            children = self.descendants()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            for child in children:  # each in its own process group
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
         self._out.close()
 
 
