@@ -32,6 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from sluice.api import metrics as names
 from sluice.api.openai import error_body
+from sluice.logs import quiet_probe_access_logs
 from sluice.router.endpoints import Endpoint, EndpointSet, Lease
 from sluice.router.policy import POLICIES, RoutingPolicy, RoutingRequest, make_policy
 
@@ -439,13 +440,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between health polls of each worker")
 
 
-def _drop_probe_lines(record: logging.LogRecord) -> bool:
-    """uvicorn access-log filter: drop successful GET /health and /metrics (probes)."""
-    args = record.args
-    return not (isinstance(args, tuple) and len(args) >= 5 and args[1] == "GET"
-                and args[2] in ("/health", "/metrics") and args[4] in (200, 503))
-
-
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -456,7 +450,7 @@ def run(args: argparse.Namespace) -> int:
                           poll_interval=args.poll_interval)
     app = create_app(config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
-    logging.getLogger("uvicorn.access").addFilter(_drop_probe_lines)
+    quiet_probe_access_logs()
     logger.info("router on http://%s:%d in front of %s", args.host, args.port,
                 ", ".join(args.worker) or "no workers")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.api import openai as oa
+from sluice.logs import quiet_probe_access_logs
 from sluice.models import store
 from sluice.worker.engine.config import EngineConfig
 from sluice.worker.engine.sampling_params import SamplingParams
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     server_config = uvicorn.Config(create_app(worker), host=args.host, port=args.port,
                                    log_level=log_level, timeout_graceful_shutdown=None)
     server = WorkerServer(server_config, worker)
+    quiet_probe_access_logs()
     worker.on_load_failed = server.stop
     server.run()
     return 1 if worker.load_error is not None or not server.started else 0
