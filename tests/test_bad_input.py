@@ -204,6 +204,7 @@ class Stats:
     num_running = num_waiting = 0
     num_free_blocks = num_total_blocks = 10
     kv_cache_usage = 0.0
+    prefix_cache_queries = prefix_cache_hits = spec_draft_tokens = spec_accepted_tokens = 0
 
 
 class FakeEngine:

@@ -231,3 +231,63 @@ def test_qwen2_architecture_matches_hf():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
         assert out == ref.tolist()
     assert_pool_idle(engine)
+
+
+def test_prefix_cache_computes_only_the_new_tokens(model_path):
+    engine = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.25))
+    shared = engine.tokenizer.encode("Here is a long shared document. " * 150)[:1000]
+    first = shared + engine.tokenizer.encode(" Question one: what is it about?")
+    second = shared + engine.tokenizer.encode(" Question two: summarize it.")
+    cold = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.25,
+                                  enable_prefix_caching=False))
+    expected = cold.generate([second], greedy(max_tokens=8))
+
+    engine.generate([first], greedy(max_tokens=8))
+    pool = engine.scheduler.block_manager
+    before_computed, before_hits = engine.scheduler.num_computed_tokens_total, pool.prefix_cache_hits
+    assert engine.generate([second], greedy(max_tokens=8)) == expected
+    hits = pool.prefix_cache_hits - before_hits
+    assert hits == 992  # 62 full blocks of 16 tokens of the 1000-token prefix
+    # the model ran the uncached prompt tokens plus one token per later decode step
+    computed = engine.scheduler.num_computed_tokens_total - before_computed
+    assert computed == len(second) - 992 + 7
+    assert_pool_idle(engine)
+
+
+def test_prefix_cache_never_serves_evicted_or_colliding_blocks(model_path):
+    # a pool of 8 blocks: the second prompt evicts the first one's cached blocks
+    bytes_per_block = 2 * 30 * 16 * 3 * 64 * 4
+    engine = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=8 * bytes_per_block / 2**30))
+    cold = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.05, enable_prefix_caching=False))
+    a = engine.tokenizer.encode("The history of the Roman empire, told briefly: " * 5)[:80]
+    b = engine.tokenizer.encode("A recipe for bread with flour, water and yeast: " * 5)[:80]
+    params = greedy(max_tokens=10)
+    for prompt in (a, b, a, b, a[:50] + b[50:]):
+        assert engine.generate([prompt], params) == cold.generate([prompt], params)
+    pool = engine.scheduler.block_manager
+    # a forced hash collision must not hand out another prefix's K/V
+    seq_blocks = dict(pool._cached)
+    for h, block in seq_blocks.items():
+        pool._tokens_of[block] = (-1,) * 16  # the stored tokens no longer match any prompt
+    before = pool.prefix_cache_hits
+    assert engine.generate([a], params) == cold.generate([a], params)
+    assert pool.prefix_cache_hits == before
+    assert_pool_idle(engine)
+
+
+def test_chunked_prefill_lets_short_requests_decode_during_a_long_prefill(model_path, engine):
+    chunked = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.1, max_num_batched_tokens=64))
+    long_prompt = engine.tokenizer.encode("A very long document about rivers and lakes. " * 60)[:600]
+    short = engine.tokenizer.encode(PROMPTS[0])
+    chunked.add_request("long", long_prompt, greedy(max_tokens=4))
+    chunked.step()  # the long prefill starts and takes the whole budget
+    chunked.add_request("short", short, greedy(max_tokens=6))
+    short_tokens_during_long_prefill = 0
+    long_seq = chunked.scheduler.find("long")
+    while long_seq.num_computed_tokens < long_seq.num_prompt_tokens:
+        outs = chunked.step()
+        short_tokens_during_long_prefill += sum(len(o.new_token_ids) for o in outs if o.request_id == "short")
+    assert short_tokens_during_long_prefill == 6  # the short request finished meanwhile
+    while chunked.has_unfinished_requests():
+        chunked.step()
+    assert_pool_idle(chunked)

@@ -82,6 +82,13 @@ class ModelSpec(_Spec):
         return self.source.partition("://")[2]
 
 
+class SpeculativeSpec(_Spec):
+    """Speculative decoding: a proposer drafts tokens, the model verifies them in one pass."""
+
+    method: Literal["ngram"] = Field("ngram", description="`ngram`: prompt lookup (no draft model).")
+    num_tokens: int = Field(4, ge=1, le=16, description="Draft tokens verified per step.")
+
+
 class NativeEngineOptions(_Spec):
     """Options of Sluice's own paged-attention engine. Unset fields use the engine's
     defaults (see ``sluice worker --help``)."""
@@ -94,6 +101,12 @@ class NativeEngineOptions(_Spec):
                                                "engine step (prefill and decode tokens).")
     max_model_len: int | None = Field(None, ge=1, description="Context length in tokens "
                                       "(prompt + output); unset: the model's, capped.")
+    enable_prefix_caching: bool | None = Field(None, description="Reuse the KV blocks of "
+                                               "shared prompt prefixes across requests.")
+    quantization: Literal["int8"] | None = Field(None, description="`int8`: per-channel int8 "
+                                                 "weight-only linear layers.")
+    speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding; "
+                                                "unset: off.")
 
 
 class EngineSpec(_Spec):

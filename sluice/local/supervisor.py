@@ -141,10 +141,17 @@ def worker_arguments(service: InferenceService, model_path: str) -> list[str]:
     """
     spec = service.spec
     supported = _worker_flags()
-    wanted: list[tuple[str, object]] = [("--model", model_path),
+    wanted: list[tuple[str, object | None]] = [("--model", model_path),
                                         ("--served-model-name", spec.model.name)]
-    for name, value in spec.engine.native.model_dump(exclude_none=True).items():
-        wanted.append(("--" + name.replace("_", "-"), value))
+    options = spec.engine.native.model_dump(exclude_none=True)
+    for group in [k for k, v in options.items() if isinstance(v, dict)]:  # speculative.method
+        options.update({f"{group}_{k}": v for k, v in options.pop(group).items()})
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):  # argparse BooleanOptionalAction: --x / --no-x
+            wanted.append((flag if value else "--no-" + flag[2:], None))
+        else:
+            wanted.append((flag, value))
     if spec.model.tokenizer:
         wanted.append(("--tokenizer", spec.model.tokenizer))
     if spec.engine.name != "native":
@@ -157,7 +164,7 @@ def worker_arguments(service: InferenceService, model_path: str) -> list[str]:
     for flag, value in wanted:
         if supported is not None and flag not in supported:
             raise ValueError(f"{flag} (from the manifest) is not supported by `sluice worker`")
-        argv += [flag, str(value)]
+        argv += [flag] if value is None else [flag, str(value)]
     return argv
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sluice.api import metrics as names
 from sluice.worker.engine.outputs import RequestOutput
@@ -73,21 +73,37 @@ class WorkerMetrics:
 
 
 class _LoadCollector:
-    """Load gauges computed from the engine's stats at scrape time (0 before loading)."""
+    """Load gauges and prefix-cache counters read from the engine's stats at scrape time
+    (0 before loading)."""
 
     def __init__(self, model_name: str, stats: Callable[[], Any]):
         self.model_name = model_name
         self.stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats()
         for name, doc, value in (
             (names.NUM_RUNNING, "Requests in the running batch.", s.num_running if s else 0),
             (names.NUM_WAITING, "Requests waiting for admission.", s.num_waiting if s else 0),
             (names.KV_CACHE_USAGE, "Used fraction of the KV-cache blocks, 0..1.",
              s.kv_cache_usage if s else 0.0),
+            (names.SPEC_ACCEPTANCE_RATE, "Accepted / proposed speculative tokens, 0..1.",
+             s.spec_accepted_tokens / s.spec_draft_tokens if s and s.spec_draft_tokens else 0.0),
         ):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
+            yield family
+        for name, doc, value in (
+            (names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries if s else 0),
+            (names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.",
+             s.prefix_cache_hits if s else 0),
+            (names.SPEC_DRAFT_TOKENS, "Speculative tokens proposed.",
+             s.spec_draft_tokens if s else 0),
+            (names.SPEC_ACCEPTED_TOKENS, "Speculative tokens accepted by the model.",
+             s.spec_accepted_tokens if s else 0),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family
 

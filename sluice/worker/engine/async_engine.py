@@ -33,12 +33,20 @@ class EngineStats:
         num_free_blocks: KV blocks in the free pool.
         num_total_blocks: KV blocks in the pool.
         kv_cache_usage: used fraction of the pool, 0..1.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache (cumulative).
+        prefix_cache_hits: of those, tokens found cached (cumulative).
+        spec_draft_tokens: speculative tokens proposed (cumulative).
+        spec_accepted_tokens: of those, accepted by the target model (cumulative).
     """
 
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -130,6 +138,10 @@ class AsyncEngine:
             num_waiting=len(s.waiting) + len(self._pending_adds),
             num_free_blocks=pool.num_free_blocks,
             num_total_blocks=pool.num_blocks,
+            prefix_cache_queries=pool.prefix_cache_queries,
+            prefix_cache_hits=pool.prefix_cache_hits,
+            spec_draft_tokens=self.engine.num_draft_tokens,
+            spec_accepted_tokens=self.engine.num_accepted_tokens,
         )
 
     def shutdown(self) -> None:

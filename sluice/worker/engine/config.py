@@ -18,6 +18,10 @@ class EngineConfig:
         kv_cache_gib: memory budget of the KV block pool, GiB.
         max_num_seqs: most sequences in one step's batch.
         max_num_batched_tokens: per-step token budget (prefill + decode tokens).
+        enable_prefix_caching: reuse the KV blocks of a shared prompt prefix across requests.
+        quantization: None, or "int8" for per-output-channel int8 weight-only linears.
+        speculative_method: None, or "ngram" for prompt-lookup speculative decoding.
+        num_speculative_tokens: k, the most draft tokens verified per step.
         dtype: "float32" (fast on CPUs without bf16 units) or "bfloat16"/"float16".
         device: "cpu" or "cuda".
 
@@ -32,6 +36,10 @@ class EngineConfig:
     kv_cache_gib: float = 0.5
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    quantization: str | None = None
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
     dtype: str = "float32"
     device: str = "cpu"
 
@@ -44,5 +52,11 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.speculative_method not in (None, "ngram"):
+            raise ValueError(f"speculative_method must be ngram or unset, got {self.speculative_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

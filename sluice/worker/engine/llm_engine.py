@@ -18,6 +18,7 @@ from sluice.worker.engine.sampler import logprobs_of, sample
 from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.engine.scheduler import Scheduler
 from sluice.worker.engine.sequence import Sequence, SequenceStatus
+from sluice.worker.engine.spec_decode import NgramProposer, verify
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,13 @@ class LLMEngine:
                                                          DEFAULT_MAX_MODEL_LEN)
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         self.runner = ModelRunner(hf_config, model_dir, self.max_model_len, config.block_size,
-                                  int(config.kv_cache_gib * 2**30), config.dtype, config.device)
+                                  int(config.kv_cache_gib * 2**30), config.dtype, config.device,
+                                  config.quantization)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
+        self.proposer = (NgramProposer(config.num_speculative_tokens)
+                         if config.speculative_method == "ngram" else None)
+        self.num_draft_tokens = 0  # speculative tokens proposed (cumulative)
+        self.num_accepted_tokens = 0  # of those, accepted by the target
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:  # like vLLM: one request must always fit the pool
             if config.max_model_len:
@@ -98,7 +104,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns outputs of sequences that got a token or finished."""
+        """Run one iteration: propose drafts → schedule → run the model → sample or verify →
+        append tokens and check stops. Returns outputs of sequences that got tokens or
+        finished."""
+        if self.proposer is not None:
+            self._propose()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
@@ -113,31 +123,67 @@ class LLMEngine:
                 for p in range(max(first, c), last):
                     prompt_rows.append((seq, len(rows), seq.token_ids[p + 1]))
                     rows.append(start + p - c)
-            if c + n == seq.num_tokens:
+            gap = seq.num_tokens - c
+            if n >= gap:  # reaches the last token: logits after it and after each draft
                 samplers.append((seq, len(rows)))
-                rows.append(start + n - 1)
+                rows.extend(range(start + gap - 1, start + n))
             start += n
         logits = self.runner.execute(scheduled, rows)
-        for seq, n in scheduled:
-            seq.num_computed_tokens += n
         self._record_prompt_logprobs(logits, prompt_rows)
 
-        if not samplers:
-            return []
-        seqs = [s for s, _ in samplers]
-        sample_logits = logits[[r for _, r in samplers]]
-        tokens = sample(sample_logits, [s.params for s in seqs], [s.generator for s in seqs])
-        want = [s.params.logprobs for s in seqs]
-        logprobs = (logprobs_of(sample_logits, tokens, [w or 0 for w in want])
-                    if any(w is not None for w in want) else [None] * len(seqs))
-        outputs = []
-        for seq, token, lp in zip(seqs, tokens, logprobs):
-            stopped_by_string = seq.append_token(token, lp if seq.params.logprobs is not None else None)
-            status = self._finish_status(seq, token, stopped_by_string)
-            if status is not None:
-                self.scheduler.finish(seq, status)
-            outputs.append(seq.take_output())
-        return outputs
+        new_tokens = self._choose_tokens(logits, samplers)
+        logprobs = self._token_logprobs(logits, samplers, new_tokens)
+        advance = {seq: n for seq, n in scheduled}
+        finished = []
+        for seq, _ in samplers:
+            tokens, gap = new_tokens[seq], seq.num_tokens - seq.num_computed_tokens
+            for i, token in enumerate(tokens):
+                stopped_by_string = seq.append_token(token, logprobs[seq][i] if seq in logprobs else None)
+                status = self._finish_status(seq, token, stopped_by_string)
+                if status is not None:
+                    finished.append((seq, status))
+                    break
+            # computed K/V: the tokens before this step's samples plus the accepted drafts kept
+            advance[seq] = gap + min(i + 1, len(tokens) - 1)
+            seq.spec_token_ids = []
+        self.scheduler.on_computed(list(advance.items()))
+        for seq, status in finished:
+            self.scheduler.finish(seq, status)
+        return [seq.take_output() for seq, _ in samplers]
+
+    def _propose(self) -> None:
+        for seq in self.scheduler.running:
+            if seq.num_computed_tokens == seq.num_tokens - 1:  # decoding
+                limit = min(seq.params.max_tokens - seq.num_output_tokens - 1,
+                            self.max_model_len - seq.num_tokens)
+                seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
+
+    def _choose_tokens(self, logits: torch.Tensor, samplers) -> dict[Sequence, list[int]]:
+        chosen: dict[Sequence, list[int]] = {}
+        plain = [(seq, row) for seq, row in samplers if not seq.spec_token_ids]
+        if plain:
+            tokens = sample(logits[[row for _, row in plain]], [s.params for s, _ in plain],
+                            [s.generator for s, _ in plain])
+            chosen.update((seq, [t]) for (seq, _), t in zip(plain, tokens))
+        for seq, row in samplers:
+            drafts = seq.spec_token_ids
+            if drafts:
+                chosen[seq] = verify(logits[row:row + len(drafts) + 1], drafts, seq.params, seq.generator)
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += len(chosen[seq]) - 1
+        return chosen
+
+    def _token_logprobs(self, logits, samplers, chosen) -> dict[Sequence, list]:
+        items = [(seq, row + i, t) for seq, row in samplers if seq.params.logprobs is not None
+                 for i, t in enumerate(chosen[seq])]
+        if not items:
+            return {}
+        lps = logprobs_of(logits[[r for _, r, _ in items]], [t for _, _, t in items],
+                          [seq.params.logprobs for seq, _, _ in items])
+        out: dict[Sequence, list] = {}
+        for (seq, _, _), lp in zip(items, lps):
+            out.setdefault(seq, []).append(lp)
+        return out
 
     def _finish_status(self, seq: Sequence, token: int, stopped_by_string: bool) -> SequenceStatus | None:
         p = seq.params

@@ -27,13 +27,14 @@ class ModelRunner:
         kv_cache_bytes: memory budget for the KV block pool, bytes.
         dtype: "float32", "bfloat16" or "float16".
         device: "cpu" or "cuda".
+        quantization: None, or "int8" (weight-only, applied after loading; see quant.py).
 
     Raises:
         ValueError: the budget holds no full block, or a weight is missing/mis-shaped.
     """
 
     def __init__(self, hf_config, model_dir: Path, max_model_len: int, block_size: int,
-                 kv_cache_bytes: int, dtype: str, device: str):
+                 kv_cache_bytes: int, dtype: str, device: str, quantization: str | None = None):
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
@@ -48,6 +49,10 @@ class ModelRunner:
         if hf_config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(model_dir)
+        if quantization == "int8":
+            from sluice.worker.engine.quant import quantize_int8
+
+            quantize_int8(model)
         self.model = model.eval()
 
         layers = hf_config.num_hidden_layers
@@ -90,7 +95,7 @@ class ModelRunner:
             c = seq.num_computed_tokens
             table = torch.tensor(seq.block_table, dtype=torch.long)
             p = torch.arange(c, c + n)
-            ids.append(torch.tensor(seq.token_ids[c:c + n], dtype=torch.long))
+            ids.append(torch.tensor(seq.step_token_ids(n), dtype=torch.long))
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             if n == 1:

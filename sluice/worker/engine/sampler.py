@@ -18,26 +18,39 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         generators: per-row RNG (seeded requests) or None for torch's default RNG.
 
     Returns:
-        N token ids. Rows with temperature 0 take the argmax. Others: divide by the
-        temperature, keep the top-k, then the smallest set whose mass reaches top-p
-        (Holtzman et al. 2019), renormalize and draw.
+        N token ids: the argmax for temperature 0, else a draw from ``processed_probs``.
     """
     tokens = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        x = logits[row] / p.temperature
-        if 0 < p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # drop a token when the mass before it already reaches top_p (always keep the best)
-            drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]))
+        if not p.greedy:
+            probs = processed_probs(logits[row], p)
+            tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]))
     return tokens
+
+
+def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from.
+
+    Divide by the temperature, keep the top-k, then the smallest set whose mass reaches
+    top-p (Holtzman et al. 2019, nucleus sampling); unnormalized is fine for multinomial.
+
+    Args:
+        logits: [vocab] fp32.
+
+    Returns:
+        [vocab] probabilities (a new tensor, safe to modify).
+    """
+    x = logits / p.temperature
+    if 0 < p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # drop a token when the mass before it already reaches top_p (always keep the best)
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:

@@ -32,10 +32,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_computed_tokens_total = 0  # tokens run through the model, all steps
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,7 +60,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            gap = seq.num_tokens - seq.num_computed_tokens
+            n = min(gap + len(seq.spec_token_ids), budget)
+            del seq.spec_token_ids[max(0, n - gap):]  # drafts that do not fit the budget
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -72,8 +75,11 @@ class Scheduler:
                 i += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self.block_manager.allocate_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, n):
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -81,6 +87,13 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def on_computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """After the forward pass: advance each sequence and cache its completed blocks."""
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.num_computed_tokens_total += n
+            self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Mark ``seq`` finished, drop it from the queues and free its blocks at once."""
@@ -98,6 +111,7 @@ class Scheduler:
         logger.debug("preempting %s (%d tokens) for recompute", seq.request_id, seq.num_tokens)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

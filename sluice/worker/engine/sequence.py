@@ -36,6 +36,7 @@ class Sequence:
         num_prompt_tokens: prompt length.
         num_computed_tokens: tokens whose K/V are in the cache.
         block_table: KV block ids, in order; block i holds tokens [i*bs, (i+1)*bs).
+        block_hashes: prefix-cache hashes of the leading full, computed blocks.
         generator: per-request RNG when a seed was given, else None (engine's RNG).
     """
 
@@ -47,6 +48,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
+        self.spec_token_ids: list[int] = []  # this step's speculative drafts
         self.status = SequenceStatus.WAITING
         self.arrival_time = time.monotonic()
         self.detokenizer = detokenizer
@@ -64,6 +67,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def step_token_ids(self, n: int) -> list[int]:
+        """The ``n`` tokens this step computes: the uncomputed ones, then the drafts."""
+        return (self.token_ids[self.num_computed_tokens:] + self.spec_token_ids)[:n]
 
     @property
     def is_finished(self) -> bool:
