@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.util
 import json
 import logging
 import sys
@@ -78,10 +79,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations dtype (default: %(default)s)")
     parser.add_argument("--device", default=defaults["device"],
                         help="cpu or cuda (default: %(default)s)")
+    parser.add_argument("--engine", choices=("native", "vllm"), default="native",
+                        help="native: Sluice's engine; vllm: vLLM's AsyncLLM, installed by "
+                             "`make vllm` in .venv-vllm (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT. Returns 1 when the model is missing or fails to load."""
+    engine = getattr(args, "engine", "native")
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        print("sluice worker: vllm is not installed in this environment; "
+              "use .venv-vllm/bin/sluice worker --engine vllm", file=sys.stderr)
+        return 1
     try:
         path = store.resolve(args.model)
         served = args.served_model_name or path.name
@@ -90,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     except (store.ModelStoreError, ValueError) as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 1
-    worker = Worker(lambda: _load_engine(engine_config), served, root=str(path))
+    worker = Worker(lambda: _load_engine(engine_config, engine), served, root=str(path))
     log_level = str(getattr(args, "log_level", "info")).lower()
     server_config = uvicorn.Config(create_app(worker), host=args.host, port=args.port,
                                    log_level=log_level, timeout_graceful_shutdown=None)
@@ -101,7 +110,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if worker.load_error is not None or not server.started else 0
 
 
-def _load_engine(config: EngineConfig) -> Engine:
+def _load_engine(config: EngineConfig, engine: str = "native") -> Engine:
+    if engine == "vllm":
+        from sluice.worker.vllm_backend import VLLMEngine  # vllm: only in .venv-vllm
+
+        return VLLMEngine(config)
     from sluice.worker.engine.async_engine import AsyncEngine  # torch: only when serving
 
     return AsyncEngine(config)
