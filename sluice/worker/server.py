@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- CLI
 
 _ENGINE_FLAGS = ("max_model_len", "block_size", "kv_cache_gib", "max_num_seqs",
-                 "max_num_batched_tokens", "dtype", "device")
+                 "max_num_batched_tokens", "enable_prefix_caching", "quantization",
+                 "speculative_method", "num_speculative_tokens", "dtype", "device")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +75,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=defaults["max_num_batched_tokens"],
                         help="token budget per step (default: %(default)s)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults["enable_prefix_caching"],
+                        help="reuse KV blocks of shared prompt prefixes (default: %(default)s)")
+    parser.add_argument("--quantization", choices=("int8",),
+                        help="int8: per-channel int8 weight-only linear layers (default: none)")
+    parser.add_argument("--speculative-method", choices=("ngram",),
+                        help="ngram: prompt-lookup speculative decoding (default: off)")
+    parser.add_argument("--speculative-num-tokens", dest="num_speculative_tokens", type=int,
+                        default=defaults["num_speculative_tokens"],
+                        help="draft tokens verified per step (default: %(default)s)")
     parser.add_argument("--dtype", default=defaults["dtype"],
                         choices=("float32", "bfloat16", "float16"),
                         help="weights and activations dtype (default: %(default)s)")
