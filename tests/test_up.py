@@ -255,3 +255,17 @@ def test_replicas_override_restart_and_ctrl_c(tmp_path):
         assert gone(children)
     finally:
         up.close()
+
+
+def test_vllm_workers_run_in_vllms_own_environment(tmp_path, monkeypatch):
+    from sluice.local.supervisor import worker_python
+
+    monkeypatch.setenv("SLUICE_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    with pytest.raises(ValueError, match="run `make vllm`"):
+        build_children(["--model", "/m"], 1, "127.0.0.1", 9000, engine="vllm")
+    fake = tmp_path / "python"
+    fake.touch()
+    monkeypatch.setenv("SLUICE_VLLM_PYTHON", str(fake))
+    worker, router = build_children(["--model", "/m"], 1, "127.0.0.1", 9000, engine="vllm")
+    assert worker.argv[0] == str(fake) and router.argv[0] == sys.executable
+    assert worker_python("native") == sys.executable

@@ -92,11 +92,12 @@ def run(args: argparse.Namespace) -> int:
         _check_port_free(args.host, args.port)  # before a fetch that may take minutes
         model_path = resolve_model(service)
         worker_args = worker_arguments(service, model_path)
+        children = build_children(worker_args, replicas, args.host, args.port, args.log_level,
+                                  service.spec.engine.name)
     except Exception as exc:  # bad manifest, model fetch failure, busy port: one line, exit 2
         logger.error("%s", exc)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe otherwise
-    children = build_children(worker_args, replicas, args.host, args.port, args.log_level)
     supervisor = Supervisor(children, grace_period=args.grace_period)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -179,14 +180,36 @@ def _worker_flags() -> set[str] | None:
     return {s for action in parser._actions for s in action.option_strings}
 
 
+def worker_python(engine: str) -> str:
+    """The interpreter that runs workers of ``engine``: vLLM lives in its own venv
+    (``$SLUICE_VLLM_PYTHON``, default ``.venv-vllm`` of this checkout, made by ``make vllm``).
+
+    Raises:
+        ValueError: engine vllm and no such interpreter.
+    """
+    if engine != "vllm":
+        return sys.executable
+    default = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+    python = Path(os.environ.get("SLUICE_VLLM_PYTHON", default))
+    if not python.exists():
+        raise ValueError(f"engine vllm needs vLLM's environment, and {python} is missing: "
+                         "run `make vllm` (or set SLUICE_VLLM_PYTHON)")
+    return str(python)
+
+
 def build_children(worker_args: list[str], replicas: int, host: str, port: int,
-                   log_level: str = "INFO") -> list[Child]:
-    """Workers on free local ports, and the router (last) pointing at all of them."""
+                   log_level: str = "INFO", engine: str = "native") -> list[Child]:
+    """Workers on free local ports, and the router (last) pointing at all of them.
+
+    Raises:
+        ValueError: from ``worker_python``.
+    """
     base = [sys.executable, "-m", "sluice.cli", "--log-level", log_level]
+    worker_base = [worker_python(engine), *base[1:]]
     children = []
     for i in range(replicas):
         worker_port = free_port()
-        children.append(Child(f"worker-{i}", [*base, "worker", *worker_args, "--host",
+        children.append(Child(f"worker-{i}", [*worker_base, "worker", *worker_args, "--host",
                                               "127.0.0.1", "--port", str(worker_port)],
                               f"http://127.0.0.1:{worker_port}"))
     router_argv = [*base, "router", "--host", host, "--port", str(port)]
