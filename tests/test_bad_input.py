@@ -142,12 +142,25 @@ def test_unknown_model_is_404(worker_url):
         assert_error(r, 404, "model", "model_not_found")
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"null", b'"text"'])
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b"null", b'"text"',
+                                 b"[" * 100_000 + b"]" * 100_000])
 def test_malformed_body_is_400(worker_url, raw):
     r = post(worker_url, "/v1/completions", None, content=raw,
              headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_lone_surrogate_is_400_naming_the_field(worker_url):
+    for path, body, field in (
+            ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+             "messages[0].content"),
+            ("/v1/completions", '{"model": "%s", "prompt": "\\udfff"}', "prompt"),
+            ("/tokenize", '{"model": "%s", "prompt": "\\udfff"}', "prompt")):
+        r = post(worker_url, path, None, content=(body % MODEL).encode(),
+                 headers={"content-type": "application/json"})
+        assert_error(r, 400, field)
+    assert post(worker_url, "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1}).status_code == 200
 
 
 def test_unknown_fields_are_accepted(worker_url):
@@ -400,3 +413,12 @@ def test_model_that_fails_to_load_exits_1(tmp_path, model_path):
                      timeout=180)
     assert result.returncode == 1
     assert "failed to load" in result.stderr
+
+
+def test_unsupported_logit_bias_and_infinite_temperature_are_400(worker_url):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    assert_error(post(worker_url, "/v1/completions", {**body, "logit_bias": {"28": 100}}), 400, "logit_bias")
+    r = post(worker_url, "/v1/completions", None, content=b'{"model": "%s", "prompt": "hi", "temperature": Infinity}'
+             % MODEL.encode(), headers={"content-type": "application/json"})
+    assert_error(r, 400, "temperature")
+    assert post(worker_url, "/v1/completions", {**body, "logit_bias": {}}).status_code == 200

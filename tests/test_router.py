@@ -288,7 +288,7 @@ def test_unknown_model_is_404_without_contacting_a_worker(router, workers, model
 @slow
 def test_malformed_requests_are_400(router):
     for content in (b"{not json", b"[1, 2]", json.dumps({"prompt": "x"}).encode(),
-                    json.dumps({"model": 7}).encode()):
+                    json.dumps({"model": 7}).encode(), b"[" * 100_000 + b"]" * 100_000):
         r = httpx.post(f"{router}/v1/completions", content=content,
                        headers={"content-type": "application/json"}, timeout=10)
         assert r.status_code == 400, content

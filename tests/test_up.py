@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -173,6 +175,14 @@ def test_ready_line_and_curl(up):
     assert f"curl {up.url}/v1/chat/completions" in out and f'"model": "{MODEL}"' in out
     workers = httpx.get(f"{up.url}/health", timeout=5).json()["workers"]
     assert len(workers) == 2 and all(w["ready"] for w in workers)
+    printed = next(line for line in out.splitlines() if line.strip().startswith("curl "))
+    readme = (ROOT / "README.md").read_text()
+    documented = re.search(r"^curl .*?\n(?:  .*\n)*", readme, re.M).group(0)
+    for command in (printed, documented.replace("http://127.0.0.1:8000", up.url)):
+        result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+        answer = json.loads(result.stdout)
+        assert answer["choices"][0]["message"]["content"], command
+        assert answer["usage"]["completion_tokens"] <= 64
 
 
 @slow

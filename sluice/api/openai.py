@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class _GenerationRequest(_Lenient):
     model: str | None = None
     max_tokens: int | None = None  # checked against the prompt length in max_tokens_for()
     max_completion_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0.0)
+    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
@@ -115,6 +115,14 @@ class _GenerationRequest(_Lenient):
     n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:  # refuse rather than silently ignore a constraint the engine cannot apply
+            raise ValueError("logit_bias is not supported by this server")
+        return value
 
     def stop_strings(self) -> list[str]:
         """``stop`` as a list. Raises APIError (param ``stop``) on an empty string."""

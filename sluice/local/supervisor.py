@@ -243,7 +243,8 @@ def print_ready(service: InferenceService, host: str, port: int, replicas: int) 
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
     body = json.dumps({"model": service.spec.model.name,
-                       "messages": [{"role": "user", "content": "Hello! Who are you?"}]})
+                       "messages": [{"role": "user", "content": "Hello! Who are you?"}],
+                       "max_tokens": 64})
     print(f"\nsluice: {service.metadata.name} ready at {url}/v1 "
           f"(model {service.spec.model.name}, {replicas} worker(s)). Try:\n"
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "

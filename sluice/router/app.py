@@ -189,8 +189,8 @@ def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response
     503 no worker has reported its models yet (the router just started)."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return {}, openai_error(400, f"the request body is not valid JSON: {exc}",
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return {}, openai_error(400, f"the request body is not valid JSON: {type(exc).__name__}",
                                 "invalid_request_error")
     if not isinstance(body, dict):
         return {}, openai_error(400, "the request body must be a JSON object",
@@ -272,9 +272,12 @@ async def _relay(upstream: httpx.Response, exchange: _Exchange) -> AsyncIterator
         async for chunk in upstream.aiter_raw():
             exchange.on_chunk()
             yield chunk
-    except httpx.HTTPError as exc:  # headers are sent; all we can do is end the stream
+    except httpx.HTTPError as exc:  # headers are sent: end the stream with an error event
         logger.warning("stream from %s broke: %s: %s", exchange.lease.endpoint.url,
                        type(exc).__name__, exc)
+        error = {"error": {"message": f"the worker stream broke: {type(exc).__name__}",
+                           "type": "server_error", "param": None, "code": "upstream_error"}}
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
         await upstream.aclose()
         exchange.on_complete()

@@ -330,10 +330,29 @@ async def _json(request: Request) -> Any:
     """The request body as JSON. Raises APIError (400) when it is not valid JSON."""
     body = await request.body()
     try:
-        return json.loads(body)
-    except ValueError as exc:
-        raise oa.APIError(400, f"request body is not valid JSON: {exc}",
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise oa.APIError(400, f"request body is not valid JSON: {type(exc).__name__}: {exc}",
                           code="json_invalid") from None
+    _check_unicode(data, "")
+    return data
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    """Raise APIError (400, naming the field) for a string no tokenizer can take: JSON
+    allows lone UTF-16 surrogates such as "\\ud800", which are not Unicode text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise oa.APIError(400, f"{path or 'body'} contains a lone UTF-16 surrogate, which "
+                              "is not valid Unicode text", param=path or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{path}[{i}]")
 
 
 def _install_error_handlers(app: FastAPI) -> None:

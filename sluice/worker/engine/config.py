@@ -18,6 +18,8 @@ class EngineConfig:
         kv_cache_gib: memory budget of the KV block pool, GiB.
         max_num_seqs: most sequences in one step's batch.
         max_num_batched_tokens: per-step token budget (prefill + decode tokens).
+        long_prefill_token_threshold: the most tokens of one sequence's prefill per step
+            (vLLM's name); default a quarter of max_num_batched_tokens.
         enable_prefix_caching: reuse the KV blocks of a shared prompt prefix across requests.
         quantization: None, or "int8" for per-output-channel int8 weight-only linears.
         speculative_method: None, or "ngram" for prompt-lookup speculative decoding.
@@ -36,6 +38,7 @@ class EngineConfig:
     kv_cache_gib: float = 0.5
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int | None = None
     enable_prefix_caching: bool = True
     quantization: str | None = None
     speculative_method: str | None = None
@@ -52,6 +55,11 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = max(1, self.max_num_batched_tokens // 4)
+        if self.long_prefill_token_threshold < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 1, "
+                             f"got {self.long_prefill_token_threshold}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if self.speculative_method not in (None, "ngram"):

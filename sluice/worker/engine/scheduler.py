@@ -3,9 +3,11 @@
 Every step spends a token budget closing the gap between each sequence's computed and
 total tokens: running sequences first (a decode is a gap of one; a long prompt gets a
 chunk of the budget — chunked prefill), then waiting sequences are admitted while the
-budget, ``max_num_seqs`` and the block pool allow. When the pool cannot give a running
-sequence its next block, the most recently admitted sequence is preempted: its blocks are
-freed and it goes back to the front of the waiting queue to be recomputed later.
+budget, ``max_num_seqs`` and the block pool allow. One prefill chunk is at most
+``long_prefill_token_threshold`` tokens, so a long prompt never holds the whole budget and
+new requests are admitted (and decode) while it is still prefilling. When the pool cannot
+give a running sequence its next block, the most recently admitted sequence is preempted:
+its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -61,8 +64,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             gap = seq.num_tokens - seq.num_computed_tokens
-            n = min(gap + len(seq.spec_token_ids), budget)
-            del seq.spec_token_ids[max(0, n - gap):]  # drafts that do not fit the budget
+            if gap == 1:  # decode (plus drafts), ahead of any prefill chunk
+                n = min(1 + len(seq.spec_token_ids), budget)
+                del seq.spec_token_ids[n - 1:]  # drafts that do not fit the budget
+            else:  # prefill chunk: leave a token for each later decode in the batch
+                later_decodes = sum(1 for s in self.running[i + 1:]
+                                    if s.num_tokens - s.num_computed_tokens == 1)
+                n = min(gap, budget - later_decodes, self.long_prefill_token_threshold)
+                if n <= 0:
+                    i += 1
+                    continue
             while not self.block_manager.allocate_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -76,7 +87,7 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.block_manager.allocate_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_token_threshold)
             if not self.block_manager.allocate_slots(seq, n):
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
