@@ -1,0 +1,186 @@
+"""INT8 weight-only post-training quantization: an offline conversion plus a module swap.
+
+``quantize_int8(model)`` replaces every ``nn.Linear`` of the decoder layers (``qkv_proj``,
+``o_proj``, ``gate_up_proj``, ``down_proj``) and, by default, the ``lm_head`` with an
+``Int8Linear`` holding per-output-channel symmetric int8 weights. The model file is not
+touched (gpt-fast's ``WeightOnlyInt8QuantHandler`` does the same: convert, then swap).
+Activations stay floating point; only the weights are stored in 8 bits, so batch-1 decode,
+which streams every weight once per token, moves ~4x fewer bytes.
+
+Quantization, per output row n of a weight W [N, K]::
+
+    scale[n] = max_k |W[n, k]| / 127          (rounded up to the next bfloat16 value)
+    Q[n, k]  = round(W[n, k] / scale[n])      in [-127, 127], int8
+    y        = x @ (Q * scale[:, None]).T + b  = (x @ Q.T) * scale + b
+
+Symmetric (no zero point), round-to-nearest, no calibration data. The rounding error of a
+weight is at most scale[n] / 2, about 1/254 of its row's largest magnitude. LLM.int8()
+(Dettmers et al. 2022) traced what breaks 8-bit inference to outlier features in the
+*activations*, which is why they stay in floating point here. Measured on SmolLM2-135M
+(bench/quant.py): perplexity 22.25 fp32 → 22.36 int8 weight-only, while W8A8 with per-tensor
+dynamic activation quantization (fbgemm's dynamic Linear) gives 60.
+
+Kernels (measured on this AVX-512 CPU without AMX, torch 2.13, 1 thread):
+
+- ``torch.ops.aten._weight_int8pack_mm(x [M, K], q [N, K] int8, scales [N]) -> [M, N]``
+  needs a 2-D ``x`` contiguous in its last dim, a contiguous ``q``, and 1-D ``scales`` of
+  the activation dtype. On x86 it is vectorized only for bfloat16 activations; with fp32
+  activations it runs a scalar loop, 2.5x *slower* than the fp32 matmul it replaces. So
+  for few rows (decode) fp32 activations are cast to bfloat16 for the kernel and the
+  bfloat16 result back to fp32; the scales are rounded to bfloat16 at conversion, so the
+  kernel and the fallback see the same quantized weights.
+- Fallback, for many rows (prefill) or other devices/dtypes: ``(x @ Q.T) * scale``, i.e.
+  the int8 weight is converted to the activation dtype inside the call and the matmul runs
+  in fp32 (exact int8 → fp32); fp16 scales the weight first (``x @ (Q * scale).T``) since
+  ``x @ Q.T`` can overflow it. Its conversion cost is fixed per call, so it wins once the
+  matmul is large: the two paths cross near 32 rows (``KERNEL_MAX_ROWS``).
+
+The tied embedding (SmolLM2, Qwen2.5) shares one int8 table and one set of scales with the
+lm_head: the lookup dequantizes just the rows it gathers (``Int8Embedding``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QMAX = 127
+# Rows (tokens) below which the int8 kernel beats dequantize-then-fp32-matmul on this CPU.
+KERNEL_MAX_ROWS = 32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _has_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 quantization.
+
+    Args:
+        weight: [N, K] float tensor.
+
+    Returns:
+        (q, scales): q [N, K] int8 in [-127, 127]; scales [N] fp32, each exactly a
+        bfloat16 value, such that ``q * scales[:, None]`` approximates ``weight`` with an
+        absolute error of at most ``scales[:, None] / 2``.
+    """
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / QMAX).clamp_min(torch.finfo(torch.bfloat16).tiny)
+    rounded = scales.to(torch.bfloat16)
+    up = torch.nextafter(rounded, torch.full_like(rounded, float("inf")))
+    scales = torch.where(rounded.float() < scales, up, rounded).float()  # round up: |q| <= 127
+    q = torch.round(w / scales[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scales
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` replacement with int8 weights and per-output-channel fp32 scales.
+
+    Args:
+        weight: [out_features, in_features] int8.
+        scales: [out_features] fp32 (bfloat16-representable; see ``quantize_weight``).
+        bias: [out_features] or None, kept in its original dtype.
+
+    ``forward``: x [..., in_features] → [..., out_features] in x's dtype.
+    """
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # kernel wants act dtype
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        q, scales = quantize_weight(linear.weight)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(q, scales, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if (x2.shape[0] < KERNEL_MAX_ROWS and x.device.type == "cpu"
+                and x.dtype in _KERNEL_DTYPES and _has_kernel()):
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight,
+                                                   self.scales_bf16).to(x.dtype)
+        elif x.dtype == torch.float16:  # x @ Q.T can pass fp16's 65504: scale the weight first
+            y = F.linear(x2, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])
+        else:
+            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, weight=int8 per-channel"
+
+
+class Int8Embedding(nn.Module):
+    """Embedding lookup over an int8 table with per-row scales (shared with a tied lm_head).
+
+    Args:
+        weight: [vocab, hidden] int8.
+        scales: [vocab] fp32.
+        dtype: dtype of the returned rows (the model's activation dtype).
+
+    ``forward``: ids [...] → [..., hidden] in ``dtype``; dequantizes only the gathered rows.
+    """
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.weight[ids].to(self.dtype) * self.scales[ids].unsqueeze(-1).to(self.dtype))
+
+
+@torch.no_grad()
+def quantize_int8(model: nn.Module, lm_head: bool = True) -> nn.Module:
+    """Swap the model's linears for ``Int8Linear`` in place (call after loading weights).
+
+    Args:
+        model: a loaded ``LlamaForCausalLM`` (``layers`` of decoder layers, ``lm_head``,
+            ``embed_tokens``).
+        lm_head: also quantize the lm_head; with tied embeddings the embedding then reads
+            the same int8 table (its fp32 copy is dropped). On SmolLM2-135M the tied table
+            is 113 MB of the 538 MB fp32 weights: left in fp32 it is half of the bytes a
+            decode step reads (220 MB vs 135 MB). Measured (bench/quant.py, 1 thread):
+            batch-1 ITL 39 → 31 ms for perplexity 22.32 → 22.36 (fp32: 22.25), so it is on.
+
+    Returns:
+        the same model, for chaining.
+    """
+    before = _weight_bytes(model)
+    count = 0
+    for layer in model.layers:
+        for parent in layer.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Int8Linear.from_linear(child))
+                    count += 1
+    if lm_head:
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        dtype = model.embed_tokens.weight.dtype
+        model.lm_head = Int8Linear.from_linear(model.lm_head)
+        count += 1
+        if tied:
+            model.embed_tokens = Int8Embedding(model.lm_head.weight, model.lm_head.scales, dtype)
+    logger.info("int8 weight-only: %d linears%s quantized, weights %.1f MiB -> %.1f MiB", count,
+                " (lm_head included)" if lm_head else "", before / 2**20, _weight_bytes(model) / 2**20)
+    return model
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied: count once
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,157 @@
+"""INT8 weight-only quantization (sluice/worker/engine/quant.py) on the real SmolLM2 weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from sluice.worker.engine import EngineConfig, SamplingParams, quant
+from sluice.worker.engine.llm_engine import LLMEngine
+
+TEXT = (
+    "The library on the corner opens at nine in the morning and closes at six in the evening. "
+    "On weekdays it is quiet, and most of the visitors are students who come to read or to use "
+    "the computers. On Saturday mornings there is a reading hour for children, and the room near "
+    "the entrance fills with parents, strollers and picture books. The librarians have worked "
+    "there for many years, and they know most of the regular visitors by name."
+)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,",
+           "What is the boiling point of water?", "The three primary colors are",
+           "Q: Who wrote Hamlet?\nA:", "The square root of 144 is"]
+
+
+@pytest.fixture(scope="module")
+def fp32(model_path):
+    return LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.1))
+
+
+@pytest.fixture(scope="module")
+def int8(model_path):
+    return LLMEngine(EngineConfig(model=str(model_path), quantization="int8", kv_cache_gib=0.1))
+
+
+def test_quantize_weight_error_is_at_most_half_a_step():
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64).unsqueeze(1)  # rows of very different range
+    w[3] = 0.0
+    q, scales = quant.quantize_weight(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape
+    assert scales.dtype == torch.float32 and scales.shape == (64,)
+    assert torch.equal(scales.to(torch.bfloat16).float(), scales)  # the kernel's bf16 scales are exact
+    assert q.abs().max() <= 127 and q[3].abs().max() == 0
+    assert (q.abs().amax(1)[w.abs().amax(1) > 0] >= 126).all()  # the int8 range is used
+    assert ((q.float() * scales[:, None] - w).abs() <= scales[:, None] / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])  # 1 and 4: the int8 kernel; 64: dequantize + fp32 mm
+def test_int8_linear_close_to_fp32_linear(fp32, int8, rows):
+    """Relative error of y = x W^T within 1.25x of the rounding-noise prediction.
+
+    Round-to-nearest leaves each weight an error ~ U(-s/2, s/2) (variance s^2/12) independent
+    of x, so ||dy|| / ||y|| ≈ sqrt(mean_n (s_n^2 / 12) / mean_k W[n,k]^2) for random x. Measured
+    ratio to that prediction: 0.93-1.08 over all layer types; the bf16 activations of the
+    kernel path add ~0.1%.
+    """
+    torch.manual_seed(0)
+    for i in (0, 29):
+        ref_layer, q_layer = fp32.runner.model.layers[i], int8.runner.model.layers[i]
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            linear, qlinear = ref_layer.get_submodule(name), q_layer.get_submodule(name)
+            w = linear.weight.detach()
+            predicted = ((qlinear.scales ** 2 / 12) / w.pow(2).mean(1)).mean().sqrt()
+            x = torch.randn(rows, w.shape[1])
+            y, yq = linear(x), qlinear(x)
+            assert yq.dtype == torch.float32 and yq.shape == y.shape
+            rel = (yq - y).norm() / y.norm()
+            assert rel <= 1.25 * predicted, f"layer {i} {name}: {rel:.4f} vs predicted {predicted:.4f}"
+
+
+def test_int8_linear_keeps_bias():
+    linear = nn.Linear(64, 32)
+    qlinear = quant.Int8Linear.from_linear(linear)
+    x = torch.zeros(2, 64)
+    assert torch.allclose(qlinear(x), linear.bias.expand(2, 32), atol=1e-2)  # bf16 output on this path
+    assert qlinear(torch.randn(3, 5, 64)).shape == (3, 5, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_linear_in_half_precision_does_not_overflow(dtype):
+    """fp16 tops out at 65504: x @ Q.T with |Q| up to 127 passes it where x @ W.T would not."""
+    torch.manual_seed(0)
+    linear = nn.Linear(1536, 64, bias=False)
+    qlinear = quant.Int8Linear.from_linear(linear)
+    x = torch.randn(64, 1536) * 30  # activations in the tens, as entering down_proj
+    for rows in (1, 64):  # kernel path (bf16) or fallback, then the fallback
+        ref = linear(x[:rows])
+        y = qlinear(x[:rows].to(dtype))
+        assert y.dtype == dtype and torch.isfinite(y).all()
+        assert (y.float() - ref).norm() / ref.norm() < 0.02
+
+
+def test_weights_are_int8_and_about_4x_smaller(fp32, int8):
+    ref, model = fp32.runner.model, int8.runner.model
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    fp32_bytes = int8_bytes = 0
+    for ref_layer, layer in zip(ref.layers, model.layers):
+        for name, linear in ref_layer.named_modules():
+            if isinstance(linear, nn.Linear):
+                qlinear = layer.get_submodule(name)
+                assert isinstance(qlinear, quant.Int8Linear)
+                assert qlinear.weight.dtype == torch.int8 and qlinear.weight.shape == linear.weight.shape
+                assert qlinear.scales.shape == (linear.out_features,)
+                fp32_bytes += linear.weight.numel() * linear.weight.element_size()
+                int8_bytes += sum(t.numel() * t.element_size() for t in qlinear.buffers())
+    assert 3.9 < fp32_bytes / int8_bytes <= 4.0  # int8 + 6 bytes of scales per 576-1536 weights
+    # tied embedding: one int8 table serves the lookup and the lm_head
+    assert isinstance(model.lm_head, quant.Int8Linear)
+    assert isinstance(model.embed_tokens, quant.Int8Embedding)
+    assert model.embed_tokens.weight is model.lm_head.weight
+    ids = torch.tensor([0, 17, 4000, 49151])
+    emb_err = (model.embed_tokens(ids) - ref.embed_tokens(ids)).abs()
+    assert (emb_err <= model.lm_head.scales[ids, None] / 2 * (1 + 1e-5)).all()
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_greedy_output_mostly_equals_fp32(fp32, int8):
+    """Tokens equal to fp32, measured: batched [5, 16, 16, 16, 16, 16, 12, 6], one at a time
+    [5, 16, 16, 16, 16, 3, 16, 16]. Where they part, fp32 itself is near a tie (France: " Paris.
+    The" then "answer" vs "United"), so the bound is on the total, not on every prompt."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    batch = [fp32.tokenizer.encode(p) for p in PROMPTS]
+    refs, outs = fp32.generate(batch, params), int8.generate(batch, params)
+    agree = [_agreement(ref, out) for ref, out in zip(refs, outs)]
+    assert "Paris" in int8.tokenizer.decode(outs[0])
+    assert agree[0] >= 5, agree
+    assert sum(n == 16 for n in agree) >= 4 and sum(agree) >= 0.75 * 16 * len(PROMPTS), agree
+
+
+def _prompt_logprobs(engine: LLMEngine, ids: list[int]):
+    engine.add_request("ppl", ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    out = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out += o.prompt_logprobs[1:] if o.prompt_logprobs else []
+    return out
+
+
+@pytest.mark.parametrize("path", ["prefill", "decode kernel"])
+def test_perplexity_within_2_percent_of_fp32(fp32, int8, path, monkeypatch):
+    """Measured on this text: +0.5% (both paths); top-1 = fp32 at 96% of positions.
+
+    2% leaves 4x margin and still catches real damage: W8A8 with per-tensor dynamic
+    activation quantization (fbgemm) more than doubles the perplexity of this model.
+    """
+    if path == "decode kernel":  # every matmul through the int8 kernel, whatever the row count
+        monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", 1 << 30)
+    ids = fp32.tokenizer.encode(TEXT)
+    ref, out = _prompt_logprobs(fp32, ids), _prompt_logprobs(int8, ids)
+    ppl_ref = math.exp(-sum(lp.logprob for lp in ref) / len(ref))
+    ppl = math.exp(-sum(lp.logprob for lp in out) / len(out))
+    assert ppl / ppl_ref < 1.02, (ppl, ppl_ref)
+    top1 = sum(a.top[0][0] == b.top[0][0] for a, b in zip(ref, out)) / len(ref)
+    assert top1 >= 0.9, top1
