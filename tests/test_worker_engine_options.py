@@ -9,9 +9,7 @@ import pytest
 
 from conftest import free_port, serve
 
-PROMPT = ("Repeat this list exactly three times:\n"
-          "apple, banana, cherry, date, elderberry, fig, grape\n"
-          "apple, banana, cherry, date, elderberry, fig, grape\n")
+PROMPT = "apple, banana, cherry, apple, banana, cherry, apple, banana, cherry, apple,"  # repetitive: n-gram drafts get accepted
 
 
 def metric(text: str, name: str) -> float:
