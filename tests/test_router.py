@@ -439,3 +439,33 @@ def health(url: str) -> int:
         return httpx.get(f"{url}/health", timeout=2).status_code
     except httpx.HTTPError:
         return 0
+
+
+@slow
+def test_stream_from_a_killed_worker_ends_with_an_error_event(model_path, tmp_path):
+    """SIGKILL a worker mid-stream: the client gets an error event and [DONE], not a silent cut."""
+    worker_port, router_port = free_port(), free_port()
+    worker = subprocess.Popen([sys.executable, "-m", "sluice.cli", "worker", "--model", str(model_path),
+                               "--port", str(worker_port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT)
+    try:
+        with serve(["router", "--worker", f"http://127.0.0.1:{worker_port}", "--port", str(router_port)],
+                   router_port) as router:
+            deadline = time.monotonic() + 120
+            while httpx.get(f"{router}/health", timeout=5).status_code != 200:
+                assert time.monotonic() < deadline, "worker never became ready"
+                time.sleep(0.5)
+            body = {"model": model_path.name, "prompt": "Once upon a time", "max_tokens": 2000,
+                    "ignore_eos": True, "stream": True}
+            events = []
+            with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            worker.kill()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "upstream_error"
