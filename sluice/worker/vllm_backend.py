@@ -41,7 +41,7 @@ from typing import Any
 
 from sluice.worker.engine.config import EngineConfig
 from sluice.worker.engine.outputs import RequestOutput, TokenLogprob
-from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.sampling_params import SamplingParams, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -329,14 +329,7 @@ class VLLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request vLLM could never run (the native engine's rules:
         vLLM refuses a KV cache smaller than one ``max_model_len`` request at startup)."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"{n} input tokens + max_tokens {params.max_tokens} exceeds the "
-                             f"maximum context {self.max_model_len}")
+        check_fits(prompt_token_ids, params, self.max_model_len)
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs {params.logprobs} is over the maximum {MAX_LOGPROBS}")
 

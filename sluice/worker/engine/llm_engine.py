@@ -15,7 +15,7 @@ from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.models.llama import SUPPORTED_ARCHITECTURES
 from sluice.worker.engine.outputs import RequestOutput
 from sluice.worker.engine.sampler import logprobs_of, sample
-from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.sampling_params import SamplingParams, check_fits
 from sluice.worker.engine.scheduler import Scheduler
 from sluice.worker.engine.sequence import Sequence, SequenceStatus
 from sluice.worker.engine.spec_decode import NgramProposer, verify
@@ -77,14 +77,7 @@ class LLMEngine:
             ValueError: empty prompt, max_tokens < 1, or prompt + max_tokens over the context
                 (which the KV pool always holds: see ``__init__``).
         """
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"{n} input tokens + max_tokens {params.max_tokens} exceeds the "
-                             f"maximum context {self.max_model_len}")
+        check_fits(prompt_token_ids, params, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (validated with ``check_request`` first)."""

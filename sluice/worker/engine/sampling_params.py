@@ -36,3 +36,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_fits(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
+    """The request rules every engine shares.
+
+    Raises:
+        ValueError: empty prompt, max_tokens < 1, or prompt + max_tokens over
+            ``max_model_len`` (the message says "N input tokens ... maximum context M").
+    """
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
+    if n + params.max_tokens > max_model_len:
+        raise ValueError(f"{n} input tokens + max_tokens {params.max_tokens} exceeds the "
+                         f"maximum context {max_model_len}")
