@@ -32,34 +32,40 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(args: list[str], port: int, timeout: float = 120.0, log: Path | None = None):
-    """Run ``sluice ARGS`` as a real process; yield its base URL once /health answers 200.
+def serve(args: list[str], port: int, timeout: float = 120.0, log: Path | None = None,
+          python: str = sys.executable):
+    """Run ``python -m sluice.cli ARGS`` as a real process; yield its base URL once /health
+    answers 200. A failed start raises with the tail of ``log``.
 
-    The process is stopped with SIGTERM (then SIGKILL after 10 s) on exit.
+    The process is stopped with SIGTERM (then SIGKILL after 30 s) on exit.
     """
     out = open(log, "wb") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", *args], stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([python, "-m", "sluice.cli", *args], stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
+            problem = None
             if proc.poll() is not None:
-                raise RuntimeError(f"sluice {' '.join(args)} exited with {proc.returncode}")
+                problem = f"exited with {proc.returncode}"
+            elif time.monotonic() > deadline:
+                problem = f"not healthy after {timeout:.0f} s"
+            if problem:
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:]) if log else ""
+                raise RuntimeError(f"sluice {' '.join(args)} {problem}\n{tail}")
             try:
                 if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sluice {' '.join(args)} not healthy after {timeout} s")
             time.sleep(0.2)
         yield url
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(10)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()

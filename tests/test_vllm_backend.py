@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
-import signal
 import subprocess
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -56,42 +53,9 @@ def vllm_unavailable(venv: Path = VLLM_VENV) -> str | None:
     return None
 
 
-@contextmanager
 def serve_vllm(args: list[str], port: int, log: Path):
-    """Run ``sluice ARGS`` with .venv-vllm's python; yield its URL once /health is 200.
-
-    Stopped with SIGTERM (SIGKILL after 30 s) on exit; a failed start names the log's tail.
-    """
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "sluice.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            problem = None
-            if proc.poll() is not None:
-                problem = f"exited with {proc.returncode}"
-            elif time.monotonic() > deadline:
-                problem = f"not healthy after {STARTUP_TIMEOUT_S:.0f} s"
-            if problem:
-                tail = log.read_text(errors="replace").splitlines()[-25:]
-                raise RuntimeError(f"vllm worker {problem}; log {log}:\n" + "\n".join(tail))
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    """``serve`` with .venv-vllm's python and vLLM's longer startup."""
+    return serve(args, port, timeout=STARTUP_TIMEOUT_S, log=log, python=str(VLLM_PYTHON))
 
 
 @pytest.fixture(scope="module")
