@@ -21,6 +21,9 @@ from pydantic.alias_generators import to_camel
 API_VERSION = "serving.sluice.dev/v1alpha1"
 KIND = "InferenceService"
 SOURCE_SCHEMES = ("sluice", "file", "pvc")
+# The CRD's check of model.source (what ``ModelSpec._check_source`` accepts, in RE2 syntax, so
+# the API server rejects a bad source at apply time; tests/test_crd.py checks they agree).
+SOURCE_PATTERN = r"^(sluice://.+|file:///.*|pvc:///*[^/]+/.*[^/]/*)$"
 
 RoutingStrategy = Literal["least-load"]
 EngineName = Literal["native", "vllm"]
@@ -53,7 +56,8 @@ class ModelSpec(_Spec):
                       description="Served model name: the `model` clients put in requests.")
     source: str = Field(description="Where the weights come from: `sluice://NAME` (the Sluice "
                         "model store, fetched on first use), `file:///abs/path` (a converted model "
-                        "folder) or `pvc://CLAIM/path` (a folder on a PersistentVolumeClaim).")
+                        "folder) or `pvc://CLAIM/path` (a folder on a PersistentVolumeClaim).",
+                        json_schema_extra={"pattern": SOURCE_PATTERN})
     tokenizer: str | None = Field(None, description="Tokenizer folder or store name, when it "
                                   "is not stored with the weights.")
 
@@ -195,6 +199,51 @@ class InferenceServiceSpec(_Spec):
         return self
 
 
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class _Status(BaseModel):
+    """Base of the status models: camelCase aliases; unknown keys ignored (status is written
+    by the operator, and a newer one may add fields)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Condition(_Status):
+    """One observation about the service, in Kubernetes' condition conventions."""
+
+    type: str = Field(min_length=1, description="`Ready`, `Progressing` or `Degraded`.")
+    status: ConditionStatus = Field(description="`True`, `False` or `Unknown`.")
+    reason: str = Field("", description="CamelCase reason for the last transition, e.g. "
+                        "`MinimumReplicasAvailable`, `Unschedulable`, `InvalidSpec`.")
+    message: str = Field("", description="Human-readable details.")
+    last_transition_time: str | None = Field(None, description="When the status last changed "
+                                             "(RFC 3339).",
+                                             json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(None, ge=0, description="metadata.generation the "
+                                            "condition was computed from.")
+
+
+class InferenceServiceStatus(_Status):
+    """Observed state of an InferenceService, written by the operator."""
+
+    observed_generation: int | None = Field(None, ge=0, description="The last "
+                                            "metadata.generation the operator acted on.")
+    replicas: int = Field(0, ge=0, description="Worker pods that exist (the scale "
+                          "subresource's status replicas).")
+    ready_replicas: int = Field(0, ge=0, description="Worker pods that are ready.")
+    selector: str | None = Field(None, description="Label selector of the worker pods, as a "
+                                 "string (the scale subresource's selector, used by HPA).")
+    endpoint: str | None = Field(None, description="URL of the worker Service, e.g. "
+                                 "`http://NAME-worker.NAMESPACE.svc:8000`.")
+    conditions: list[Condition] = Field(default_factory=list, description="`Ready`, "
+                                        "`Progressing` and `Degraded`.")
+
+    def condition(self, type_: str) -> Condition | None:
+        """The condition of this type, or None."""
+        return next((c for c in self.conditions if c.type == type_), None)
+
+
 class ObjectMeta(BaseModel):
     """The part of Kubernetes metadata Sluice reads; other keys (uid, labels, ...) are kept."""
 
@@ -214,8 +263,8 @@ class InferenceService(BaseModel):
     kind: Literal["InferenceService"]
     metadata: ObjectMeta
     spec: InferenceServiceSpec
-    status: dict[str, Any] | None = Field(None, description="Written by the operator; "
-                                          "ignored on input.")
+    status: InferenceServiceStatus | None = Field(None, description="Written by the "
+                                                  "operator; ignored on input.")
 
 
 def load_manifest(path: str | Path) -> InferenceService:
