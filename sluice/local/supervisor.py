@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from sluice.api.service import InferenceService, load_manifest
+from sluice.api.worker_args import worker_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -132,52 +133,6 @@ def resolve_model(service: InferenceService) -> str:
         return str(store.resolve(model.source))
     raise ValueError(f"spec.model.source {model.source!r}: pvc:// sources only work in "
                      "Kubernetes; use file:///path for a local folder")
-
-
-def worker_arguments(service: InferenceService, model_path: str) -> list[str]:
-    """The ``sluice worker`` flags for this manifest (without --host/--port).
-
-    Raises:
-        ValueError: the manifest asks for something ``sluice worker`` has no flag for.
-    """
-    spec = service.spec
-    supported = _worker_flags()
-    wanted: list[tuple[str, object | None]] = [("--model", model_path),
-                                        ("--served-model-name", spec.model.name)]
-    options = spec.engine.native.model_dump(exclude_none=True)
-    for group in [k for k, v in options.items() if isinstance(v, dict)]:  # speculative.method
-        options.update({f"{group}_{k}": v for k, v in options.pop(group).items()})
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):  # argparse BooleanOptionalAction: --x / --no-x
-            wanted.append((flag if value else "--no-" + flag[2:], None))
-        else:
-            wanted.append((flag, value))
-    if spec.model.tokenizer:
-        wanted.append(("--tokenizer", spec.model.tokenizer))
-    if spec.engine.name != "native":
-        wanted.append(("--engine", spec.engine.name))
-    if spec.engine.tensor_parallel_size != 1:
-        wanted.append(("--tensor-parallel-size", spec.engine.tensor_parallel_size))
-    if spec.resources.gpu:
-        wanted.append(("--device", "cuda"))
-    argv: list[str] = []
-    for flag, value in wanted:
-        if supported is not None and flag not in supported:
-            raise ValueError(f"{flag} (from the manifest) is not supported by `sluice worker`")
-        argv += [flag] if value is None else [flag, str(value)]
-    return argv
-
-
-def _worker_flags() -> set[str] | None:
-    """The option strings ``sluice worker`` accepts, or None if it cannot be imported."""
-    try:
-        from sluice.worker import server
-    except ImportError:
-        return None
-    parser = argparse.ArgumentParser()
-    server.add_arguments(parser)
-    return {s for action in parser._actions for s in action.option_strings}
 
 
 def worker_python(engine: str) -> str:
