@@ -16,6 +16,7 @@ COMMANDS = {
     "worker": ("sluice.worker.server", "serve one model over the OpenAI API"),
     "router": ("sluice.router.app", "OpenAI API front for one or more workers"),
     "models": ("sluice.models.cli", "fetch and list models in the local store"),
+    "operator": ("sluice.operator.main", "run the InferenceService operator (kopf)"),
 }
 
 

@@ -111,7 +111,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             value = _structural(value, defs)
         elif key == "default":
             value = _strip_none(value)
-            if value is None:
+            if value is None or value == "":  # 1.20 reads a "" default as null, and refuses it
                 continue
         out[key] = value
     if nullable:

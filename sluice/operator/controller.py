@@ -1,0 +1,184 @@
+"""Reconcile and status refresh: the pure builders and status code, wired to the API.
+
+The kopf handlers (handlers.py) only decide *when*; this decides *what*:
+
+    reconcile(body)  build the children (resources.desired_objects) → server-side apply
+                     → refresh. An invalid spec writes the InvalidSpec condition and raises
+                     InvalidSpec (the handler turns it into kopf.PermanentError: no retries).
+    scale(body)      replicas-only change: patch the Deployment's spec.replicas → refresh.
+    refresh(ns, n)   read Deployment, Pods, Endpoints; probe one ready address's /health;
+                     compute the status (status.compute_status); write it if it changed.
+
+Refreshes of one InferenceService are serialized (a lock per object), so an older view never
+overwrites a newer one written by a concurrent event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from sluice.api.service import InferenceServiceStatus
+from sluice.operator import resources
+from sluice.operator.kube import ApiError, KubeApi
+from sluice.operator.resources import InvalidSpec, OperatorConfig
+from sluice.operator.status import Probe, compute_status, ready_addresses, same_status, \
+    status_patch
+
+logger = logging.getLogger(__name__)
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Controller:
+    """Args:
+        kube: the API (``kube.Kube``, or a fake in tests).
+        config: what the operator's flags decide about worker pods.
+        probe: GET one ready address's /health before reporting Ready.
+        probe_timeout: seconds for that GET.
+    """
+
+    def __init__(self, kube: KubeApi, config: OperatorConfig, probe: bool = True,
+                 probe_timeout: float = 2.0, clock: Any = utc_now):
+        self.kube, self.config, self.probe_enabled = kube, config, probe
+        self._clock = clock
+        self._http = httpx.AsyncClient(timeout=probe_timeout) if probe else None
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # Specs the API server refused at apply time (e.g. a malformed quantity), by object:
+        # (generation, message), so a later refresh keeps saying InvalidSpec.
+        self._refused: dict[tuple[str, str], tuple[int | None, str]] = {}
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+    async def reconcile(self, body: Mapping[str, Any]) -> None:
+        """Make the children match the spec, then refresh the status.
+
+        Raises:
+            InvalidSpec: after writing it as the InvalidSpec condition.
+            ApiError: a call failed for another reason (worth a retry).
+        """
+        key = _key(body)
+        try:
+            objects = resources.desired_objects(body, self.config)
+            for obj in objects:
+                await self._apply(obj)
+        except InvalidSpec as exc:
+            self._refused[key] = (_generation(body), str(exc))
+            await self.refresh(*key)
+            raise
+        self._refused.pop(key, None)
+        await self.refresh(*key)
+
+    async def _apply(self, obj: dict[str, Any]) -> None:
+        try:
+            await self.kube.apply(obj)
+        except ApiError as exc:
+            if exc.status in (400, 422):  # the API server refuses the object as built
+                raise InvalidSpec(f"{obj['kind']} {obj['metadata']['name']} was refused: "
+                                  f"{exc.message}") from None
+            raise
+        logger.debug("applied %s %s/%s", obj["kind"], obj["metadata"]["namespace"],
+                     obj["metadata"]["name"])
+
+    async def scale(self, body: Mapping[str, Any]) -> bool:
+        """Patch only the Deployment's replicas; False when there is no Deployment yet (the
+        caller reconciles instead)."""
+        namespace, name = _key(body)
+        replicas = int((body.get("spec") or {}).get("replicas", 1))
+        if not await self.kube.scale_deployment(namespace, resources.worker_name(name),
+                                                replicas):
+            return False
+        await self.refresh(namespace, name)
+        return True
+
+    async def child_deleted(self, namespace: str, name: str) -> None:
+        """A worker Deployment or Service vanished: put it back unless its owner is going."""
+        body = await self.kube.get_isvc(namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        try:
+            await self.reconcile(body)
+        except InvalidSpec:
+            pass  # already written as the condition
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The InferenceService is gone: drop what we kept about it."""
+        self._locks.pop((namespace, name), None)
+        self._refused.pop((namespace, name), None)
+
+    async def refresh(self, namespace: str, name: str) -> InferenceServiceStatus | None:
+        """Recompute and write the status; returns it (None: the object is gone)."""
+        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
+        async with lock:
+            body = await self.kube.get_isvc(namespace, name)
+            if body is None:
+                return None
+            status = await self._observe(body)
+            if not same_status(body.get("status"), status):
+                await self.kube.patch_isvc_status(namespace, name, status_patch(status))
+                ready = status.condition("Ready")
+                logger.info("%s/%s: %d/%d ready; Ready=%s %s", namespace, name,
+                            status.ready_replicas, int(body["spec"].get("replicas", 1)),
+                            ready.status if ready else "?", ready.reason if ready else "")
+            return status
+
+    async def _observe(self, body: Mapping[str, Any]) -> InferenceServiceStatus:
+        namespace, name = _key(body)
+        invalid = self._invalid(body)
+        worker = resources.worker_name(name)
+        deployment, pods, endpoints = await asyncio.gather(
+            self.kube.get_deployment(namespace, worker),
+            self.kube.list_pods(namespace, resources.selector_string(name)),
+            self.kube.get_endpoints(namespace, worker))
+        probe = None
+        addresses = ready_addresses(endpoints)
+        if addresses and self._http is not None and invalid is None:
+            probe = await self._probe(addresses[0])
+        return compute_status(body, deployment, pods, endpoints, probe, self._clock(), invalid)
+
+    def _invalid(self, body: Mapping[str, Any]) -> str | None:
+        refused = self._refused.get(_key(body))
+        if refused is not None and refused[0] == _generation(body):
+            return refused[1]
+        try:
+            resources.parse_service(body)
+        except InvalidSpec as exc:
+            return str(exc)
+        return None
+
+    async def _probe(self, address: str) -> Probe:
+        assert self._http is not None
+        url = f"http://{address}/health"
+        try:
+            response = await self._http.get(url)
+        except httpx.HTTPError as exc:
+            return Probe(url, False, f"{type(exc).__name__}: {exc}".rstrip(": "))
+        return Probe(url, response.status_code == 200, f"HTTP {response.status_code}")
+
+    async def resync(self, namespaces: list[str | None]) -> None:
+        """Refresh every InferenceService in these namespaces (None: all): catches what no
+        event announces, such as a worker that stops answering /health."""
+        for namespace in namespaces:
+            for body in await self.kube.list_isvcs(namespace):
+                try:
+                    await self.refresh(*_key(body))
+                except ApiError as exc:
+                    logger.warning("resync of %s/%s failed: %s", *_key(body), exc)
+
+
+def _key(body: Mapping[str, Any]) -> tuple[str, str]:
+    meta = body["metadata"]
+    return meta["namespace"], meta["name"]
+
+
+def _generation(body: Mapping[str, Any]) -> int | None:
+    return (body.get("metadata") or {}).get("generation")

@@ -1,0 +1,231 @@
+"""Pure status: what exists (Deployment, Pods, Endpoints, one /health probe) → the
+InferenceService's status and its three conditions.
+
+    Ready        True when at least one replica is ready, the worker Service lists a ready
+                 address, and that address answers /health (when the operator probes).
+    Progressing  True while the Deployment rolls out or scales (not all replicas updated,
+                 available and ready); False with ProgressDeadlineExceeded when it is stuck.
+    Degraded     True with a pod's reason: Unschedulable (the scheduler's message, e.g.
+                 ``0/1 nodes are available: 1 Insufficient nvidia.com/gpu.``),
+                 ImagePullBackOff, CrashLoopBackOff, ... or InvalidSpec.
+
+``lastTransitionTime`` only moves when a condition's status changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.api.service import Condition, InferenceServiceStatus
+from sluice.operator.resources import WORKER_PORT_NAME, endpoint_url, selector_string
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+
+# Container waiting reasons that mean "this will not fix itself soon".
+PROBLEM_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                   "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+                   "ErrImageNeverPull")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One GET of a ready worker address's /health.
+
+    Attributes:
+        url: what was requested.
+        ok: it answered 200.
+        detail: the status code or the error, for the condition message.
+    """
+
+    url: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Problem:
+    reason: str
+    message: str
+
+
+def ready_addresses(endpoints: Mapping[str, Any] | None) -> list[str]:
+    """``ip:port`` of each ready address of the worker Service's Endpoints (port ``http``)."""
+    out = []
+    for subset in (endpoints or {}).get("subsets") or ():
+        ports = subset.get("ports") or ()
+        port = next((p.get("port") for p in ports if p.get("name") == WORKER_PORT_NAME),
+                    ports[0].get("port") if len(ports) == 1 else None)
+        if port is None:
+            continue
+        for address in subset.get("addresses") or ():
+            ip = address.get("ip")
+            if ip:
+                out.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return sorted(out)
+
+
+def pod_problem(pod: Mapping[str, Any]) -> Problem | None:
+    """Why this pod cannot serve, if the reason is one that needs a person: unschedulable,
+    image pull failures, crash loops (also of the fetch-model init container), failure."""
+    status = pod.get("status") or {}
+    name = (pod.get("metadata") or {}).get("name", "?")
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return None  # leaving anyway
+    for cond in status.get("conditions") or ():
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                and cond.get("reason") == "Unschedulable":
+            return Problem("Unschedulable", f"pod {name}: {cond.get('message', 'unschedulable')}")
+    for key, kind in (("initContainerStatuses", "init container"),
+                      ("containerStatuses", "container")):
+        for cs in status.get(key) or ():
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if reason in PROBLEM_REASONS:
+                message = waiting.get("message") or _last_exit(cs) or reason
+                return Problem(reason, f"pod {name}: {kind} {cs.get('name')}: {message}")
+    if status.get("phase") == "Failed":
+        reason = status.get("reason") or "PodFailed"
+        return Problem(reason, f"pod {name}: {status.get('message') or 'failed'}")
+    return None
+
+
+def _last_exit(cs: Mapping[str, Any]) -> str:
+    last = (cs.get("lastState") or {}).get("terminated") or {}
+    if not last:
+        return ""
+    return (f"restarted {cs.get('restartCount', 0)} time(s); last exit code "
+            f"{last.get('exitCode')} ({last.get('reason') or 'Error'})")
+
+
+def _deployment_problem(deployment: Mapping[str, Any] | None) -> Problem | None:
+    for cond in ((deployment or {}).get("status") or {}).get("conditions") or ():
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return Problem(cond.get("reason") or "ReplicaFailure", cond.get("message", ""))
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return Problem("ProgressDeadlineExceeded", cond.get("message", ""))
+    return None
+
+
+def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None,
+                   pods: list[Mapping[str, Any]], endpoints: Mapping[str, Any] | None,
+                   probe: Probe | None, now: str, invalid: str | None = None
+                   ) -> InferenceServiceStatus:
+    """The status to write.
+
+    Args:
+        body: the InferenceService (metadata.generation, spec.replicas, the current status).
+        deployment: the worker Deployment, or None if it does not exist (yet).
+        pods: the worker pods (any order).
+        endpoints: the worker Service's Endpoints, or None.
+        probe: the /health probe of one ready address; None when not probed (no ready
+            address, or probing is off).
+        now: RFC 3339 timestamp for conditions that change now.
+        invalid: the InvalidSpec message, when the spec cannot be served.
+    """
+    meta = body.get("metadata") or {}
+    name, namespace = meta.get("name", ""), meta.get("namespace", "")
+    generation = meta.get("generation")
+    desired = int((body.get("spec") or {}).get("replicas", 1))
+    dstatus = (deployment or {}).get("status") or {}
+    replicas, ready = int(dstatus.get("replicas") or 0), int(dstatus.get("readyReplicas") or 0)
+    addresses = ready_addresses(endpoints)
+    problem = Problem("InvalidSpec", invalid) if invalid else _first_problem(deployment, pods)
+    conditions = [
+        _ready(desired, ready, addresses, probe, problem, deployment is not None),
+        _progressing(desired, deployment, problem),
+        (DEGRADED, "True", problem.reason, problem.message) if problem
+        else (DEGRADED, "False", "AsExpected", "no worker pod reports a problem"),
+    ]
+    previous = _previous(body)
+    return InferenceServiceStatus(
+        observed_generation=generation, replicas=replicas, ready_replicas=ready,
+        selector=selector_string(name), endpoint=endpoint_url(name, namespace),
+        conditions=[_condition(previous, *c, generation=generation, now=now)
+                    for c in conditions])
+
+
+def _first_problem(deployment: Mapping[str, Any] | None,
+                   pods: list[Mapping[str, Any]]) -> Problem | None:
+    found = [p for p in (pod_problem(pod) for pod in sorted(
+        pods, key=lambda p: (p.get("metadata") or {}).get("name", ""))) if p]
+    if not found:
+        return _deployment_problem(deployment)
+    if len(found) > 1:
+        return Problem(found[0].reason, f"{found[0].message} (and {len(found) - 1} more "
+                       "pod(s) with problems)")
+    return found[0]
+
+
+def _ready(desired: int, ready: int, addresses: list[str], probe: Probe | None,
+           problem: Problem | None, exists: bool) -> tuple[str, str, str, str]:
+    counts = f"{ready}/{desired} replicas ready"
+    if problem and problem.reason == "InvalidSpec":
+        return READY, "False", "InvalidSpec", problem.message
+    if desired == 0 and ready == 0:
+        return READY, "False", "ScaledToZero", "spec.replicas is 0"
+    if ready < 1:
+        if problem:
+            return READY, "False", problem.reason, f"{counts}; {problem.message}"
+        return READY, "False", "NoReplicasReady" if exists else "Creating", counts
+    if not addresses:
+        return READY, "False", "EndpointsNotReady", f"{counts}; the worker Service lists no " \
+            "ready address yet"
+    if probe is not None and not probe.ok:
+        return READY, "False", "EndpointNotAnswering", f"{counts}; GET {probe.url}: " \
+            f"{probe.detail}"
+    checked = f"; {probe.url} answered" if probe is not None else ""
+    return READY, "True", "Serving", f"{counts}{checked}"
+
+
+def _progressing(desired: int, deployment: Mapping[str, Any] | None,
+                 problem: Problem | None) -> tuple[str, str, str, str]:
+    if problem and problem.reason in ("InvalidSpec", "ProgressDeadlineExceeded"):
+        return PROGRESSING, "False", problem.reason, problem.message
+    if deployment is None:
+        return PROGRESSING, "True", "Creating", "creating the worker Deployment"
+    meta, status = deployment.get("metadata") or {}, deployment.get("status") or {}
+    if (status.get("observedGeneration") or 0) < (meta.get("generation") or 0):
+        return PROGRESSING, "True", "RolloutStarting", "the Deployment controller has not " \
+            "seen the latest worker spec yet"
+    replicas = int(status.get("replicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    ready = int(status.get("readyReplicas") or 0)
+    if updated < desired or replicas > updated:
+        return PROGRESSING, "True", "RollingUpdate", f"{updated}/{desired} replicas updated, " \
+            f"{replicas} exist"
+    if ready != desired or replicas != desired:
+        verb = "ScalingUp" if ready < desired else "ScalingDown"
+        return PROGRESSING, "True", verb, f"{ready}/{desired} replicas ready, {replicas} exist"
+    return PROGRESSING, "False", "Complete", f"{desired} replica(s) updated and ready"
+
+
+def _previous(body: Mapping[str, Any]) -> dict[str, Condition]:
+    try:
+        status = InferenceServiceStatus.model_validate(body.get("status") or {})
+    except ValueError:
+        return {}
+    return {c.type: c for c in status.conditions}
+
+
+def _condition(previous: dict[str, Condition], type_: str, status: str, reason: str,
+               message: str, generation: int | None, now: str) -> Condition:
+    before = previous.get(type_)
+    since = before.last_transition_time if before and before.status == status else None
+    return Condition(type=type_, status=status, reason=reason, message=message,
+                     last_transition_time=since or now, observed_generation=generation)
+
+
+def status_patch(status: InferenceServiceStatus) -> dict[str, Any]:
+    """The JSON the status subresource gets (camelCase, unset fields left out)."""
+    return status.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def same_status(current: Mapping[str, Any] | None, new: InferenceServiceStatus) -> bool:
+    """Whether writing ``new`` would change nothing (so no write, and no watch event)."""
+    try:
+        old = InferenceServiceStatus.model_validate(current or {})
+    except ValueError:
+        return False
+    return status_patch(old) == status_patch(new)
