@@ -33,6 +33,7 @@ import base64
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import ssl
@@ -242,8 +243,9 @@ def up(d: Path, bin_dir: Path, pv_root: Path, deadline_s: float) -> None:
     for b in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
         if not (bin_dir / b).is_file():
             raise ClusterError(f"{bin_dir / b} missing: run e2e/local/build-kubernetes.sh first")
-    for sub in ("logs", "run", "etcd", "node"):
-        (d / sub).mkdir(parents=True, exist_ok=True)
+    for sub in ("logs", "run", "etcd", "node"):  # a fresh cluster: no state from a last run
+        shutil.rmtree(d / sub, ignore_errors=True)
+        (d / sub).mkdir(parents=True)
     pki = d / "pki"
     if not (pki / "sa.pub").exists():
         make_pki(pki)

@@ -282,12 +282,12 @@ class PodWorker(threading.Thread):
             self.exited(c, c.proc.returncode, now)
         if c.terminated is None or self.should_restart(c, init):
             if now >= c.next_start:
-                self.start(c, now)
+                self.start_container(c, now)
             else:
                 c.waiting = ("CrashLoopBackOff", f"back-off {c.backoff:.0f}s restarting "
                              f"failed container={c.name} pod={self.name}")
 
-    def start(self, c: Container, now: float) -> None:
+    def start_container(self, c: Container, now: float) -> None:
         if c.terminated is not None:
             c.restarts += 1
         rewrite = rewriter(self.mounts(c))
@@ -340,8 +340,8 @@ class PodWorker(threading.Thread):
     def check(self, c: Container, spec: dict) -> bool:
         """Run one probe: HTTP 200-399, a TCP connect, or exit status 0, within timeoutSeconds."""
         timeout = spec.get("timeoutSeconds", 1)
-        port_of = lambda p: p if isinstance(p, int) else next(  # noqa: E731
-            (x["containerPort"] for x in c.spec.get("ports", []) if x.get("name") == p), int(p))
+        named = {x.get("name"): x["containerPort"] for x in c.spec.get("ports", [])}
+        port_of = lambda p: named[p] if p in named else int(p)  # noqa: E731
         try:
             if "httpGet" in spec:
                 h = spec["httpGet"]
@@ -579,8 +579,9 @@ class Agent:
         if worker:
             worker.update(pod)
         elif pod.get("status", {}).get("phase") not in ("Succeeded", "Failed") or pod["metadata"].get("deletionTimestamp"):
-            self.workers[uid] = PodWorker(self, pod)
-            self.workers[uid].start()
+            worker = PodWorker(self, pod)
+            worker.start()
+            self.workers[uid] = worker
 
     def forget(self, uid: str) -> None:
         worker = self.workers.pop(uid, None)
