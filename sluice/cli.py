@@ -17,6 +17,7 @@ COMMANDS = {
     "router": ("sluice.router.app", "OpenAI API front for one or more workers"),
     "models": ("sluice.models.cli", "fetch and list models in the local store"),
     "operator": ("sluice.operator.main", "run the InferenceService operator (kopf)"),
+    "bench": ("sluice.bench.cli", "load an OpenAI endpoint: TTFT/ITL/E2E, goodput, cost"),
 }
 
 
