@@ -51,6 +51,7 @@ SERVICE_CIDR = "10.96.0.0/16"
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 NODE_NAME = "sluice-local"
 # Reverse of the start order; `down` stops them in this order.
+T0 = time.monotonic()  # for the progress lines of `up`
 COMPONENTS = ["node-agent", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"]
 
 
@@ -149,11 +150,13 @@ def write_kubeconfig(path: Path, server: str, pki: Path, user: str) -> None:
 # ---------------------------------------------------------------------------- processes
 
 def proc_start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (field 22 of /proc/PID/stat), None if gone."""
+    """The process's start time in clock ticks (field 22 of /proc/PID/stat); None if gone
+    or a zombie (PID 1 here may reap orphans late)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def spawn(d: Path, name: str, argv: list[str], env: dict | None = None) -> int:
@@ -215,6 +218,7 @@ def wait_for(d: Path, name: str, check, deadline_s: float, what: str) -> None:
                                f"tail of {d}/logs/{name}.log:\n{log_tail(d / 'logs' / f'{name}.log')}")
         try:
             if check():
+                print(f"{time.monotonic() - T0:5.1f} s  {name}: {what}", file=sys.stderr)
                 return
         except Exception as exc:  # noqa: BLE001 - any failure means "not yet"
             last_err = exc
