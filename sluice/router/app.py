@@ -8,6 +8,10 @@ frees its KV cache.
 
 Errors are OpenAI error bodies: 400 malformed JSON, 404 unknown model (no worker contacted),
 503 no ready worker, 502 worker unreachable, 504 worker silent past ``--read-timeout``.
+
+Workers come from ``--worker URL`` (static discovery) or, with ``--discovery kubernetes``,
+from the InferenceServices and worker Endpoints of one namespace (``sluice.router.discovery``);
+both feed the same ``EndpointSet`` and the same proxy path.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 from sluice.api import metrics as names
 from sluice.api.openai import error_body
 from sluice.logs import quiet_probe_access_logs
+from sluice.router import discovery
 from sluice.router.endpoints import Endpoint, EndpointSet, Lease
 from sluice.router.policy import POLICIES, RoutingPolicy, RoutingRequest, make_policy
 
@@ -46,6 +51,7 @@ DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "t
 DROP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding",
                          "date", "server"}
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
+DISCOVERY = ("static", "kubernetes")
 
 
 @dataclass
@@ -53,7 +59,11 @@ class RouterConfig:
     """Router settings (flags map 1:1).
 
     Attributes:
-        workers: worker base URLs.
+        workers: worker base URLs (static discovery).
+        discovery: ``static`` (``workers``) or ``kubernetes``.
+        namespace: the namespace Kubernetes discovery watches.
+        kubeconfig: kubeconfig path for Kubernetes discovery; None: ``$KUBECONFIG``, the
+            in-cluster service account, or ``~/.kube/config``.
         policy: a name in ``sluice.router.policy.POLICIES``.
         connect_timeout: seconds to open a connection to a worker.
         read_timeout: seconds to wait for any byte from a worker (the first one, and each gap
@@ -62,6 +72,9 @@ class RouterConfig:
     """
 
     workers: list[str] = field(default_factory=list)
+    discovery: str = "static"
+    namespace: str = "default"
+    kubeconfig: str | None = None
     policy: str = "least-load"
     connect_timeout: float = 5.0
     read_timeout: float = 600.0
@@ -374,9 +387,14 @@ def create_app(config: RouterConfig) -> FastAPI:
     created in the lifespan and live in ``app.state.router``.
 
     Raises:
-        ValueError: unknown policy name.
+        ValueError: unknown policy or discovery name.
+        kubernetes.config.ConfigException: Kubernetes discovery without a usable kubeconfig.
     """
     policy = make_policy(config.policy)  # fail before serving, not on the first request
+    if config.discovery not in DISCOVERY:
+        raise ValueError(f"unknown discovery {config.discovery!r}; known: {', '.join(DISCOVERY)}")
+    kube_client = discovery.api_client(config.kubeconfig) if config.discovery == "kubernetes" \
+        else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -386,6 +404,11 @@ def create_app(config: RouterConfig) -> FastAPI:
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval)
             app.state.router = RouterState(config, endpoints, policy, RouterMetrics(), client)
+            watcher = None
+            if kube_client is not None:
+                watcher = discovery.KubernetesDiscovery(endpoints, config.namespace, kube_client,
+                                                        asyncio.get_running_loop())
+                watcher.start()
             try:  # a first look, so a router started after its workers serves at once
                 await asyncio.wait_for(endpoints.poll(client), timeout=endpoints.poll_timeout + 1)
             except asyncio.TimeoutError:
@@ -395,6 +418,8 @@ def create_app(config: RouterConfig) -> FastAPI:
                 yield
             finally:
                 poller.cancel()
+                if watcher is not None:
+                    watcher.stop()
                 await asyncio.gather(poller, return_exceptions=True)
 
     app = FastAPI(title="sluice router", lifespan=lifespan)
@@ -420,6 +445,12 @@ def create_app(config: RouterConfig) -> FastAPI:
                 "workers": [e.summary() for e in endpoints]}
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        """200 while the router itself serves, workers or not (its pod's probes: a router
+        with no ready worker still answers, with 503 or 404, rather than vanish)."""
+        return {"status": "ok"}
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         registry = request.app.state.router.metrics.registry
@@ -430,7 +461,17 @@ def create_app(config: RouterConfig) -> FastAPI:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="append", default=[], metavar="URL",
-                        help="worker base URL, e.g. http://127.0.0.1:8001 (repeatable)")
+                        help="worker base URL, e.g. http://127.0.0.1:8001 (repeatable; static "
+                        "discovery)")
+    parser.add_argument("--discovery", choices=DISCOVERY, default="static",
+                        help="static: the --worker URLs; kubernetes: the ready endpoints of the "
+                        "InferenceServices' worker Services in --namespace")
+    parser.add_argument("--namespace", default=None,
+                        help="namespace to watch (kubernetes discovery; default: the pod's own "
+                        "namespace, else 'default')")
+    parser.add_argument("--kubeconfig", default=None,
+                        help="kubeconfig file (kubernetes discovery; default: $KUBECONFIG, the "
+                        "in-cluster service account, ~/.kube/config)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="port to bind")
     parser.add_argument("--policy", default="least-load", choices=sorted(POLICIES),
@@ -446,16 +487,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    if not args.worker:
+    kubernetes = args.discovery == "kubernetes"
+    if kubernetes and args.worker:
+        logger.error("--worker and --discovery kubernetes are exclusive")
+        return 2
+    if not kubernetes and not args.worker:
         logger.warning("no --worker given: every request will get 503")
-    config = RouterConfig(workers=args.worker, policy=args.policy,
+    namespace = args.namespace or discovery.default_namespace()
+    config = RouterConfig(workers=args.worker, discovery=args.discovery, namespace=namespace,
+                          kubeconfig=args.kubeconfig, policy=args.policy,
                           connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
                           poll_interval=args.poll_interval)
-    app = create_app(config)
+    if kubernetes:
+        from kubernetes.config import ConfigException
+        try:
+            app = create_app(config)
+        except (ConfigException, OSError) as exc:
+            logger.error("kubernetes discovery: no usable cluster configuration: %s", exc)
+            return 2
+    else:
+        app = create_app(config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     quiet_probe_access_logs()
     logger.info("router on http://%s:%d in front of %s", args.host, args.port,
-                ", ".join(args.worker) or "no workers")
+                f"the InferenceServices in namespace {namespace}" if kubernetes
+                else ", ".join(args.worker) or "no workers")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=30)
     return 0

@@ -1,9 +1,15 @@
 """The router's view of its workers: readiness, served models and in-flight counts.
 
-Discovery is static (``--worker URL``). A background task polls each worker's ``/health``
-and ``/v1/models`` about once a second; routing only reads what the poll last saw and never
-waits on it. In-flight counts are kept by the router itself through ``Lease`` objects, each
-released exactly once from the proxy's ``finally``.
+Discovery is static (``--worker URL``) or comes from Kubernetes (``sluice.router.discovery``
+calls ``EndpointSet.sync`` whenever the ready addresses of the worker Services change). A
+background task polls each listed worker's ``/health`` and ``/v1/models`` about once a
+second; routing only reads what the poll last saw and never waits on it. In-flight counts
+are kept by the router itself through ``Lease`` objects, each released exactly once from the
+proxy's ``finally``.
+
+An endpoint that discovery drops is unlisted at once: no new requests, no more polls. It is
+kept (so its in-flight count stays right if it comes back) until its last request finishes,
+then forgotten.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +35,8 @@ class Endpoint:
     Attributes:
         url: base URL, no trailing slash, e.g. ``http://127.0.0.1:8001``.
         ready: the last ``/health`` answered 200 and no connection failed since.
+        listed: discovery currently lists this endpoint (always True for static workers);
+            an unlisted endpoint gets no new requests and is not polled.
         models: served model id → the worker's ``/v1/models`` entry (last good answer).
         models_known: ``/v1/models`` has answered at least once.
         in_flight: requests the router has sent here that have not finished.
@@ -38,6 +46,7 @@ class Endpoint:
 
     url: str
     ready: bool = False
+    listed: bool = True
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     models_known: bool = False
     in_flight: int = 0
@@ -45,8 +54,8 @@ class Endpoint:
     next_poll: float = 0.0
 
     def summary(self) -> dict[str, Any]:
-        return {"url": self.url, "ready": self.ready, "models": sorted(self.models),
-                "in_flight": self.in_flight}
+        return {"url": self.url, "ready": self.ready and self.listed, "listed": self.listed,
+                "models": sorted(self.models), "in_flight": self.in_flight}
 
 
 class Lease:
@@ -67,20 +76,61 @@ class Lease:
 
 
 class EndpointSet:
-    """A fixed set of endpoints and the poller that keeps their state fresh.
+    """The endpoints the router may use, and the poller that keeps their state fresh.
 
     Args:
         urls: worker base URLs; duplicates and trailing slashes are dropped.
         poll_interval: seconds between polls of a reachable worker.
         poll_timeout: seconds allowed for each ``/health`` or ``/v1/models`` call.
+
+    Static discovery passes the URLs here once. Dynamic discovery starts empty and calls
+    ``sync``; it must do so on the event loop's thread.
     """
 
-    def __init__(self, urls: Sequence[str], poll_interval: float = 1.0, poll_timeout: float = 2.0):
+    def __init__(self, urls: Sequence[str] = (), poll_interval: float = 1.0,
+                 poll_timeout: float = 2.0):
         self._endpoints: dict[str, Endpoint] = {}
         for url in sorted(u.rstrip("/") for u in urls):
             self._endpoints.setdefault(url, Endpoint(url))
+        self._declared: frozenset[str] | None = None  # models discovery says exist
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
+
+    def sync(self, urls: Iterable[str], declared_models: Iterable[str]) -> None:
+        """Make ``urls`` the listed endpoints (dynamic discovery).
+
+        New URLs are added not ready (the next poll confirms them); URLs that are gone are
+        unlisted at once and forgotten when their last request finishes.
+
+        Args:
+            urls: base URLs of the endpoints discovery lists now (ready addresses).
+            declared_models: every served model name discovery knows of, with or without a
+                listed endpoint; a request for one of them gets 503 (retry) rather than 404
+                while it has no ready worker.
+        """
+        wanted = {u.rstrip("/") for u in urls}
+        for url in sorted(wanted):
+            endpoint = self._endpoints.get(url)
+            if endpoint is None:
+                self._endpoints[url] = Endpoint(url)
+                logger.info("worker %s discovered", url)
+            elif not endpoint.listed:
+                endpoint.listed, endpoint.ready, endpoint.next_poll = True, False, 0.0
+                logger.info("worker %s listed again", url)
+        for endpoint in list(self):
+            if endpoint.url not in wanted and endpoint.listed:
+                endpoint.listed, endpoint.ready = False, False
+                logger.info("worker %s left the ready addresses (%d in flight finish there)",
+                            endpoint.url, endpoint.in_flight)
+        self._endpoints = dict(sorted(self._endpoints.items()))
+        self._declared = frozenset(declared_models)
+        self.prune()
+
+    def prune(self) -> None:
+        """Forget unlisted endpoints that have no request in flight."""
+        for endpoint in list(self):
+            if not endpoint.listed and endpoint.in_flight <= 0:
+                del self._endpoints[endpoint.url]
 
     def __iter__(self) -> Iterator[Endpoint]:
         return iter(self._endpoints.values())
@@ -88,25 +138,31 @@ class EndpointSet:
     def __len__(self) -> int:
         return len(self._endpoints)
 
+    def listed(self) -> list[Endpoint]:
+        """The endpoints discovery lists now, sorted by URL."""
+        return [e for e in self if e.listed]
+
     def ready_for(self, model: str) -> list[Endpoint]:
-        """Ready endpoints that serve ``model``, sorted by URL."""
-        return [e for e in self if e.ready and model in e.models]
+        """Listed, ready endpoints that serve ``model``, sorted by URL."""
+        return [e for e in self if e.listed and e.ready and model in e.models]
 
     def serves(self, model: str) -> bool:
-        """Some endpoint has reported serving ``model`` (ready or not)."""
-        return any(model in e.models for e in self)
+        """Some endpoint has reported serving ``model`` (ready or not), or discovery
+        declares it."""
+        return any(model in e.models for e in self) or model in (self._declared or ())
 
     def any_models_known(self) -> bool:
-        """Some endpoint has answered ``/v1/models`` at least once."""
-        return any(e.models_known for e in self)
+        """Some endpoint has answered ``/v1/models`` at least once, or discovery has synced
+        (so an unknown model is really unknown)."""
+        return self._declared is not None or any(e.models_known for e in self)
 
     def any_ready(self) -> bool:
-        return any(e.ready for e in self)
+        return any(e.listed and e.ready for e in self)
 
     def model_entries(self) -> list[dict[str, Any]]:
-        """The union of all workers' ``/v1/models`` entries, one per id, sorted by id."""
+        """The union of the listed workers' ``/v1/models`` entries, one per id, sorted by id."""
         union: dict[str, dict[str, Any]] = {}
-        for endpoint in self:
+        for endpoint in self.listed():
             for model_id, entry in endpoint.models.items():
                 union.setdefault(model_id, entry)
         return [union[k] for k in sorted(union)]
@@ -119,9 +175,11 @@ class EndpointSet:
         endpoint.next_poll = 0.0
 
     async def poll(self, client: httpx.AsyncClient) -> None:
-        """Poll every endpoint that is due, concurrently; never raises for a bad worker."""
+        """Poll every listed endpoint that is due, concurrently; never raises for a bad
+        worker. Also forgets unlisted endpoints whose last request has finished."""
+        self.prune()
         now = time.monotonic()
-        due = [e for e in self if e.next_poll <= now]
+        due = [e for e in self.listed() if e.next_poll <= now]
         await asyncio.gather(*(self._poll_one(client, e) for e in due))
 
     async def poll_forever(self, client: httpx.AsyncClient) -> None:
@@ -144,6 +202,8 @@ class EndpointSet:
             if endpoint.ready or endpoint.failures == 1:
                 logger.warning("worker %s unreachable: %s", endpoint.url, _describe(exc))
             endpoint.ready = False
+            return
+        if not endpoint.listed:  # unlisted while we waited: its state no longer matters
             return
         endpoint.failures = 0
         endpoint.next_poll = 0.0
