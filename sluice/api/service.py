@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 API_VERSION = "serving.sluice.dev/v1alpha1"
@@ -39,7 +47,12 @@ def _quantity(value: Any) -> Any:
     return str(value) if isinstance(value, int | float) else value
 
 
-Quantity = Annotated[str, BeforeValidator(_quantity)]
+# A non-negative Kubernetes quantity (``2``, ``500m``, ``4Gi``, ``1e3``): what the API server
+# would accept in a container's resources; checked here so a bad one fails at apply time.
+QUANTITY_PATTERN = (r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)"
+                    r"([KMGTPE]i|[numkMGTPE]|[eE][+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+))?$")
+Quantity = Annotated[str, StringConstraints(pattern=QUANTITY_PATTERN),  # checked after
+                     BeforeValidator(_quantity)]                         # numbers → strings
 _INT_OR_STRING = {"x-kubernetes-int-or-string": True}
 
 

@@ -61,6 +61,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
                   **_: Any) -> None:
     options: OperatorOptions = memo.get("options") or OperatorOptions.from_env()
     configure(settings, options)
+    _quiet_logs()
     memo.options = options
     memo.kube = await Kube.connect(options.request_timeout)
     memo.controller = Controller(memo.kube, options.config, probe=options.probe)
@@ -133,6 +134,22 @@ async def _call(coro: Any) -> Any:
     except ApiError as exc:
         delay = 30 if exc.status in (403, 404) else 10
         raise kopf.TemporaryError(f"Kubernetes API: {exc}", delay=delay) from None
+
+
+class _DropRoutineSuccesses(logging.Filter):
+    """kopf logs every successful event handler at INFO: one line per pod status change."""
+
+    ROUTINE = ("Handler 'child_changed' succeeded.", "Handler 'forget' succeeded.")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or record.getMessage() not in self.ROUTINE
+
+
+def _quiet_logs() -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /health probe
+    kopf_objects = logging.getLogger("kopf.objects")
+    if not any(isinstance(f, _DropRoutineSuccesses) for f in kopf_objects.filters):
+        kopf_objects.addFilter(_DropRoutineSuccesses())
 
 
 async def _resync_forever(controller: Controller, options: OperatorOptions) -> None:

@@ -197,8 +197,10 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
             "spec": _plain(body.get("spec") or {})}
     try:
         service = parse_manifest(data, source=f"{meta.get('namespace')}/{meta.get('name')}")
-    except ValueError as exc:
-        raise InvalidSpec(str(exc)) from None
+    except ValueError as exc:  # "SOURCE: invalid InferenceService:\n  path: message ..."
+        details = str(exc).partition("invalid InferenceService:")[2]
+        problems = [line.strip().replace("Value error, ", "") for line in details.splitlines()]
+        raise InvalidSpec("; ".join(p for p in problems if p) or str(exc)) from None
     name = worker_name(service.metadata.name)
     if len(name) > 63 or not _DNS_1035.match(name):
         raise InvalidSpec(f"metadata.name {service.metadata.name!r}: the worker Service "
@@ -349,7 +351,12 @@ def spec_hash(template: Mapping[str, Any]) -> str:
     """A short digest of a pod template (without its own hash annotation): it changes exactly
     when the pods must be replaced, so replicas-only and SLO-only edits do not roll."""
     template = copy.deepcopy(dict(template))
-    (template.get("metadata") or {}).get("annotations", {}).pop(SPEC_HASH_ANNOTATION, None)
+    meta = template.get("metadata") or {}
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items()
+                   if k != SPEC_HASH_ANNOTATION}
+    meta.pop("annotations", None)
+    if annotations:
+        meta["annotations"] = annotations
     text = json.dumps(template, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -358,8 +365,13 @@ def spec_hash(template: Mapping[str, Any]) -> str:
 
 def build_deployment(body: Mapping[str, Any], service: InferenceService,
                      config: OperatorConfig) -> dict[str, Any]:
-    """The worker Deployment: ``spec.replicas`` pods of ``build_pod_template``; a rollout
-    surges one pod and never drops below the ready count (maxUnavailable 0)."""
+    """The worker Deployment: ``spec.replicas`` pods of ``build_pod_template``.
+
+    A rollout surges one pod and may take down half the old ones, rounded down: a single
+    replica is never taken down before its successor is ready (the rollout waits for room),
+    and two or more roll even on a cluster with no spare accelerator. The Deployment
+    controller applies the percentage to the current replicas, so scaling needs no change.
+    """
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -368,7 +380,7 @@ def build_deployment(body: Mapping[str, Any], service: InferenceService,
             "replicas": service.spec.replicas,
             "selector": {"matchLabels": selector_labels(service.metadata.name)},
             "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": "50%"}},
             "revisionHistoryLimit": 5,
             "progressDeadlineSeconds": 600,
             "template": build_pod_template(service, config),

@@ -1,0 +1,276 @@
+"""The operator's controller against a fake API, its kopf settings, and its flags.
+
+The real-apiserver proof is the e2e suite; these pin the decisions: what is applied, when
+status is written, what an invalid spec leaves behind, and which kopf settings are set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import logging
+
+import kopf
+import pytest
+
+from sluice.operator import main as operator_main
+from sluice.operator.controller import Controller
+from sluice.operator.kube import ApiError
+from sluice.operator.resources import InvalidSpec, ModelCache, OperatorConfig
+from sluice.operator.settings import OperatorOptions, configure
+from test_operator_resources import ENDPOINTS, deployment_status, isvc
+
+NOW = "2026-11-29T10:00:00Z"
+
+
+class FakeKube:
+    """An in-memory API: InferenceServices, Deployments, Endpoints, Pods; records calls."""
+
+    def __init__(self, *bodies: dict):
+        self.isvcs = {(b["metadata"]["namespace"], b["metadata"]["name"]): copy.deepcopy(b)
+                      for b in bodies}
+        self.deployments: dict[tuple[str, str], dict] = {}
+        self.endpoints: dict[tuple[str, str], dict] = {}
+        self.pods: list[dict] = []
+        self.applied: list[dict] = []
+        self.status_writes = 0
+        self.scaled: list[tuple[str, int]] = []
+        self.refuse: ApiError | None = None
+
+    async def apply(self, obj):
+        if self.refuse is not None:
+            raise self.refuse
+        self.applied.append(obj)
+        key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if obj["kind"] == "Deployment":
+            self.deployments[key] = {**copy.deepcopy(obj), **deployment_status(
+                replicas=obj["spec"]["replicas"], ready=0)}
+
+    async def scale_deployment(self, namespace, name, replicas):
+        if (namespace, name) not in self.deployments:
+            return False
+        self.scaled.append((name, replicas))
+        self.deployments[(namespace, name)]["spec"]["replicas"] = replicas
+        return True
+
+    async def get_isvc(self, namespace, name):
+        return copy.deepcopy(self.isvcs.get((namespace, name)))
+
+    async def list_isvcs(self, namespace):
+        return [copy.deepcopy(b) for (ns, _), b in self.isvcs.items()
+                if namespace in (None, ns)]
+
+    async def get_deployment(self, namespace, name):
+        return copy.deepcopy(self.deployments.get((namespace, name)))
+
+    async def list_pods(self, namespace, selector):
+        assert selector == "app.kubernetes.io/instance=smol,app.kubernetes.io/name=sluice-worker"
+        return copy.deepcopy(self.pods)
+
+    async def get_endpoints(self, namespace, name):
+        return copy.deepcopy(self.endpoints.get((namespace, name)))
+
+    async def patch_isvc_status(self, namespace, name, status):
+        self.status_writes += 1
+        self.isvcs[(namespace, name)]["status"] = copy.deepcopy(status)
+
+    def status(self, name="smol", namespace="team-a") -> dict:
+        return self.isvcs[(namespace, name)].get("status") or {}
+
+    def condition(self, type_: str, name="smol") -> tuple[str, str]:
+        found = [c for c in self.status(name).get("conditions", []) if c["type"] == type_]
+        return (found[0]["status"], found[0]["reason"]) if found else ("", "")
+
+
+def controller(kube: FakeKube, **kwargs) -> Controller:
+    return Controller(kube, OperatorConfig(), probe=False, clock=lambda: NOW, **kwargs)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_reconcile_applies_service_then_deployment_and_writes_status():
+    body = isvc(replicas=2)
+    kube = FakeKube(body)
+    run(controller(kube).reconcile(body))
+    assert [(o["kind"], o["metadata"]["name"]) for o in kube.applied] == \
+        [("Service", "smol-worker"), ("Deployment", "smol-worker")]
+    status = kube.status()
+    assert status["replicas"] == 2 and status["readyReplicas"] == 0
+    assert status["observedGeneration"] == 3
+    assert status["endpoint"] == "http://smol-worker.team-a.svc:8000"
+    assert kube.condition("Ready") == ("False", "NoReplicasReady")
+
+
+def test_reconcile_twice_is_idempotent_and_status_is_written_once():
+    body = isvc()
+    kube = FakeKube(body)
+    ctl = controller(kube)
+    run(ctl.reconcile(body))
+    run(ctl.reconcile(body))
+    assert kube.applied[:2] == kube.applied[2:]  # the same objects, applied again (SSA no-op)
+    assert kube.status_writes == 1  # nothing changed the second time
+
+
+def test_status_follows_the_deployment_and_endpoints():
+    body = isvc()
+    kube = FakeKube(body)
+    ctl = controller(kube)
+    run(ctl.reconcile(body))
+    kube.deployments[("team-a", "smol-worker")].update(deployment_status(replicas=1, ready=1))
+    kube.endpoints[("team-a", "smol-worker")] = ENDPOINTS
+    run(ctl.refresh("team-a", "smol"))
+    assert kube.condition("Ready") == ("True", "Serving")
+    assert kube.condition("Progressing") == ("False", "Complete")
+
+
+def test_probe_result_decides_ready(monkeypatch):
+    body = isvc()
+    kube = FakeKube(body)
+    ctl = Controller(kube, OperatorConfig(), probe=True, probe_timeout=0.5, clock=lambda: NOW)
+    kube.deployments[("team-a", "smol-worker")] = deployment_status(replicas=1, ready=1)
+    kube.endpoints[("team-a", "smol-worker")] = {"subsets": [{
+        "addresses": [{"ip": "127.0.0.1"}], "ports": [{"name": "http", "port": 9}]}]}
+    status = run(ctl.refresh("team-a", "smol"))  # nothing listens on port 9
+    ready = status.condition("Ready")
+    assert (ready.status, ready.reason) == ("False", "EndpointNotAnswering")
+    assert "GET http://127.0.0.1:9/health" in ready.message
+    run(ctl.close())
+
+
+def test_invalid_spec_writes_the_condition_applies_nothing_and_raises():
+    body = isvc(minReplicas=3, maxReplicas=2)
+    kube = FakeKube(body)
+    with pytest.raises(InvalidSpec, match=r"minReplicas \(3\) must be <= maxReplicas \(2\)"):
+        run(controller(kube).reconcile(body))
+    assert kube.applied == []
+    assert kube.condition("Ready") == ("False", "InvalidSpec")
+    assert kube.condition("Degraded") == ("True", "InvalidSpec")
+
+
+def test_a_spec_the_api_server_refuses_stays_invalid_until_the_spec_changes():
+    body = isvc()
+    kube = FakeKube(body)
+    kube.refuse = ApiError(422, 'Deployment.apps "smol-worker" is invalid: spec.template...')
+    ctl = controller(kube)
+    with pytest.raises(InvalidSpec, match="Service smol-worker was refused: Deployment.apps"):
+        run(ctl.reconcile(body))
+    run(ctl.refresh("team-a", "smol"))  # e.g. from the resync loop: still InvalidSpec
+    assert kube.condition("Ready") == ("False", "InvalidSpec")
+    kube.isvcs[("team-a", "smol")]["metadata"]["generation"] = 4  # the user edits the spec
+    run(ctl.refresh("team-a", "smol"))
+    assert kube.condition("Ready") == ("False", "Creating")
+
+
+def test_other_api_errors_propagate_for_a_retry():
+    body = isvc()
+    kube = FakeKube(body)
+    kube.refuse = ApiError(503, "etcdserver: leader changed")
+    with pytest.raises(ApiError):
+        run(controller(kube).reconcile(body))
+
+
+def test_scale_patches_only_replicas():
+    body = isvc(replicas=1)
+    kube = FakeKube(body)
+    ctl = controller(kube)
+    assert run(ctl.scale(body)) is False  # no Deployment yet: the caller reconciles
+    run(ctl.reconcile(body))
+    applied = len(kube.applied)
+    scaled = isvc(replicas=4)
+    kube.isvcs[("team-a", "smol")]["spec"]["replicas"] = 4
+    assert run(ctl.scale(scaled)) is True
+    assert kube.scaled == [("smol-worker", 4)] and len(kube.applied) == applied
+
+
+def test_a_deleted_child_is_recreated_unless_the_owner_is_going():
+    body = isvc()
+    kube = FakeKube(body)
+    ctl = controller(kube)
+    run(ctl.child_deleted("team-a", "smol"))
+    assert [o["kind"] for o in kube.applied] == ["Service", "Deployment"]
+    kube.isvcs[("team-a", "smol")]["metadata"]["deletionTimestamp"] = NOW
+    run(ctl.child_deleted("team-a", "smol"))
+    assert len(kube.applied) == 2
+    run(ctl.child_deleted("team-a", "gone"))  # owner already deleted: nothing to do
+
+
+def test_resync_refreshes_every_service_and_forget_drops_state():
+    kube = FakeKube(isvc(), isvc(name="other", namespace="team-b"))
+    kube.list_pods = _any_pods
+    ctl = controller(kube)
+    run(ctl.resync([None]))
+    assert kube.condition("Ready") == ("False", "Creating")
+    assert kube.isvcs[("team-b", "other")]["status"]["endpoint"] == \
+        "http://other-worker.team-b.svc:8000"
+    ctl.forget("team-a", "smol")
+    assert ("team-a", "smol") not in ctl._locks
+
+
+async def _any_pods(namespace, selector):
+    return []
+
+
+# ------------------------------------------------------------------ kopf settings, flags
+
+def test_kopf_settings_are_explicit():
+    settings = kopf.OperatorSettings()
+    configure(settings, OperatorOptions(watch_timeout=120))
+    assert settings.peering.standalone is True and settings.peering.mandatory is False
+    assert settings.scanning.disabled is True
+    assert settings.watching.server_timeout == 120 and settings.watching.client_timeout == 150
+    assert settings.watching.connect_timeout == 10
+    assert settings.networking.request_timeout == 60
+    assert settings.posting.level == logging.WARNING
+    assert isinstance(settings.persistence.progress_storage, kopf.AnnotationsProgressStorage)
+    assert isinstance(settings.persistence.diffbase_storage, kopf.AnnotationsDiffBaseStorage)
+    selectors = dict(settings.watching.label_selectors.items())
+    assert sorted(s.any_name for s in selectors) == ["deployments", "endpoints", "pods"]
+    assert set(selectors.values()) == {
+        "app.kubernetes.io/managed-by=sluice-operator,app.kubernetes.io/name=sluice-worker"}
+
+
+def test_no_handler_needs_a_finalizer():
+    import sluice.operator.handlers  # noqa: F401  (registers into kopf's default registry)
+
+    registry = kopf.get_default_registry()
+    assert registry._spawning.get_all_handlers() == []  # no daemons or timers
+    for handler in registry._changing.get_all_handlers():
+        assert not handler.requires_finalizer, handler.id
+        assert handler.reason != "delete", handler.id
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log-level", default="INFO")
+    operator_main.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_operator_flags(monkeypatch):
+    monkeypatch.delenv("SLUICE_NAMESPACES", raising=False)
+    options = operator_main.options_from(parse(
+        "-n", "team-a", "--namespace", "team-b", "--worker-image", "reg/sluice:2",
+        "--model-cache", "hostPath:/var/cache/sluice", "--worker-command", "python -m sluice.cli",
+        "--no-endpoint-probe", "--resync-seconds", "5"))
+    assert options.namespaces == ("team-a", "team-b")
+    assert options.config.worker_image == "reg/sluice:2"
+    assert options.config.model_cache == ModelCache("hostPath", "/var/cache/sluice")
+    assert options.config.worker_command == ("python", "-m", "sluice.cli")
+    assert options.config.worker_log_level == "INFO"
+    assert options.probe is False and options.resync_seconds == 5
+    assert operator_main.options_from(parse("-A")).namespaces == ()
+    with pytest.raises(SystemExit):
+        parse("-A", "-n", "x")
+    with pytest.raises(SystemExit):
+        parse("--model-cache", "nfs:/x")
+
+
+def test_options_from_env():
+    options = OperatorOptions.from_env({"SLUICE_WORKER_IMAGE": "w:1", "SLUICE_MODEL_CACHE": "image",
+                                        "SLUICE_NAMESPACES": "a, b", "SLUICE_ENDPOINT_PROBE": "0"})
+    assert options.config.worker_image == "w:1"
+    assert options.config.model_cache == ModelCache("image")
+    assert options.namespaces == ("a", "b") and options.probe is False
