@@ -240,7 +240,7 @@ def https_get(url: str, pki: Path, user: str | None = "admin", timeout_s: float 
 
 # ---------------------------------------------------------------------------- up / down
 
-def up(d: Path, bin_dir: Path, pv_root: Path, deadline_s: float) -> None:
+def up(d: Path, bin_dir: Path, pv_root: Path, deadline_s: float, capacity: list[str]) -> None:
     d = d.resolve()
     if any(pid_of(d, c) for c in COMPONENTS):
         raise ClusterError(f"a cluster already runs in {d}; run `down --dir {d}` first")
@@ -261,7 +261,7 @@ def up(d: Path, bin_dir: Path, pv_root: Path, deadline_s: float) -> None:
     (d / "kubeconfig").chmod(0o600)
     info = {"dir": str(d), "server": server, "kubernetes_version": K8S_VERSION,
             "node_name": NODE_NAME, "pod_cidr": pick_pod_cidr(), "service_cidr": SERVICE_CIDR,
-            "pv_root": str(pv_root.resolve()), "logs": str(d / "logs"),
+            "pv_root": str(pv_root.resolve()), "node_capacity": capacity, "logs": str(d / "logs"),
             "pod_logs": str(d / "node" / "pods"),
             "ports": {"etcd": etcd_port, "etcd_peer": peer_port, "kube-apiserver": api_port,
                       "kube-controller-manager": kcm_port, "kube-scheduler": sched_port,
@@ -344,7 +344,8 @@ def _start_all(d: Path, bin_dir: Path, info: dict, deadline_s: float) -> None:
         sys.executable, str(HERE / "node_agent.py"), "--kubeconfig", str(d / "kubeconfig"),
         "--node-name", info["node_name"], "--work-dir", str(d / "node"),
         "--pv-root", info["pv_root"], "--pod-cidr", info["pod_cidr"],
-        "--kubelet-port", str(ports["kubelet"]), "--pki", str(pki)], env=env)
+        "--kubelet-port", str(ports["kubelet"]), "--pki", str(pki),
+        *(f"--capacity={c}" for c in info["node_capacity"])], env=env)
     wait_for(d, "node-agent", lambda: _node_ready(server, pki, info["node_name"]),
              deadline_s, f"Node {info['node_name']} Ready")
 
@@ -384,12 +385,14 @@ def main() -> int:
     ap.add_argument("--bin", type=Path, default=default_bin(),
                     help="directory with kube-apiserver, kube-controller-manager, kube-scheduler")
     ap.add_argument("--pv-root", type=Path, help="PersistentVolumeClaim data root (DIR/pv)")
+    ap.add_argument("--node-capacity", action="append", default=[], metavar="KEY=VALUE",
+                    help="override or add Node capacity, e.g. cpu=8 or nvidia.com/gpu=1")
     ap.add_argument("--deadline", type=float, default=60.0,
                     help="seconds each component may take to become healthy")
     args = ap.parse_args()
     try:
         if args.command == "up":
-            up(args.dir, args.bin, args.pv_root or args.dir / "pv", args.deadline)
+            up(args.dir, args.bin, args.pv_root or args.dir / "pv", args.deadline, args.node_capacity)
         else:
             down(args.dir)
     except ClusterError as exc:

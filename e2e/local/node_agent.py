@@ -46,8 +46,24 @@ What it emulates, and how:
 """
 from __future__ import annotations
 
-import argparse, base64, http.server, ipaddress, json, logging, os, random, re  # noqa: E401
-import shlex, signal, socket, ssl, subprocess, threading, time, urllib.parse, urllib.request  # noqa: E401
+import argparse
+import base64
+import http.server
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import shlex
+import signal
+import socket
+import ssl
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
 from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
@@ -113,7 +129,10 @@ class Probe:
 
     def record(self, passed: bool, now: float) -> None:
         self.due = now + self.spec.get("periodSeconds", 10)
-        self.successes, self.failures = (self.successes + 1, 0) if passed else (0, self.failures + 1)
+        if passed:
+            self.successes, self.failures = self.successes + 1, 0
+        else:
+            self.successes, self.failures = 0, self.failures + 1
         if self.successes >= self.spec.get("successThreshold", 1):
             self.ok = True
         elif self.failures >= self.spec.get("failureThreshold", 3):
@@ -141,10 +160,12 @@ class Container:
             state = {"terminated": self.terminated}
         else:
             state = {"waiting": {"reason": self.waiting[0], "message": self.waiting[1]}}
+        startup = self.probes.get("startup")
+        last = self.terminated if self.terminated and "terminated" not in state else None
         st = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
               "ready": self.ready, "restartCount": self.restarts, "state": state,
-              "started": bool(self.proc) and self.probes.get("startup", Probe({})).ok is not False,
-              "lastState": {"terminated": self.terminated} if self.terminated and "terminated" not in state else {}}
+              "started": bool(self.proc) and (startup is None or startup.ok is True),
+              "lastState": {"terminated": last} if last else {}}
         if self.proc:
             st["containerID"] = f"local://{self.proc.pid}"
         return st
@@ -208,7 +229,8 @@ class PodWorker(threading.Thread):
                     ref = src[kind]
                     data = self.agent.data_of(kind, self.ns, ref.get("name") or ref["secretName"],
                                               ref.get("optional", False))
-                    items = {i["key"]: i["path"] for i in ref.get("items", [])} or {k: k for k in data}
+                    items = ({i["key"]: i["path"] for i in ref.get("items", [])}
+                             or {k: k for k in data})
                     for key, rel in items.items():
                         (path / rel).parent.mkdir(parents=True, exist_ok=True)
                         (path / rel).write_bytes(data.get(key, b""))
@@ -234,8 +256,8 @@ class PodWorker(threading.Thread):
         for src in c.spec.get("envFrom", []):
             kind = "configMap" if "configMapRef" in src else "secret"
             ref = src[f"{kind}Ref"]
-            for k, v in self.agent.data_of(kind, self.ns, ref["name"], ref.get("optional", False)).items():
-                own[src.get("prefix", "") + k] = v.decode()
+            data = self.agent.data_of(kind, self.ns, ref["name"], ref.get("optional", False))
+            own.update((src.get("prefix", "") + k, v.decode()) for k, v in data.items())
         for e in c.spec.get("env", []):
             vf = e.get("valueFrom")
             if vf is None:
@@ -300,8 +322,9 @@ class PodWorker(threading.Thread):
             try:
                 if not c.spec.get("command"):
                     raise OSError("no command: the node agent ignores images and entrypoints")
-                c.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+                c.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
             except OSError as exc:
                 out.write(f"=== start failed: {exc}\n".encode())
                 c.terminated = {"exitCode": 128, "reason": "StartError", "message": str(exc),
@@ -331,7 +354,8 @@ class PodWorker(threading.Thread):
             if p and now >= p.due:
                 p.record(self.check(c, p.spec), time.monotonic())
                 if p.ok is False and kind != "readiness":
-                    log.info("%s/%s %s: %s probe failed, restarting", self.ns, self.name, c.name, kind)
+                    log.info("%s/%s %s: %s probe failed, restarting",
+                             self.ns, self.name, c.name, kind)
                     self.stop_container(c, time.monotonic() + self.grace())
                     return self.exited(c, c.proc.wait(), time.monotonic())
         readiness = c.probes.get("readiness")
@@ -353,7 +377,8 @@ class PodWorker(threading.Thread):
                     return 200 <= resp.status < 400
             if "tcpSocket" in spec:
                 t = spec["tcpSocket"]
-                socket.create_connection((t.get("host") or self.ip, port_of(t["port"])), timeout).close()
+                address = (t.get("host") or self.ip, port_of(t["port"]))
+                socket.create_connection(address, timeout).close()
                 return True
             rewrite = rewriter(self.mounts(c))
             env, own = self.environment(c, rewrite)
@@ -390,16 +415,18 @@ class PodWorker(threading.Thread):
     def stop_container(self, c: Container, deadline: float, pre_stop: bool = True) -> None:
         """preStop, SIGTERM to the process group, SIGKILL at deadline (monotonic seconds)."""
         hook = c.spec.get("lifecycle", {}).get("preStop") if pre_stop else None
+        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
         if hook and "exec" in hook:
             cmd = hook["exec"]["command"]
-            m = re.fullmatch(r"(?:/bin/)?sleep (\d+(?:\.\d+)?)", " ".join(cmd[-1:] if len(cmd) > 1 and
-                                                                          cmd[0].endswith("sh") else cmd))
+            if len(cmd) > 1 and cmd[0].endswith("sh"):  # sh -c "sleep N"
+                cmd = cmd[-1:]
+            m = re.fullmatch(r"(?:/bin/)?sleep (\d+(?:\.\d+)?)", " ".join(cmd))
             if m:
-                self.gone.wait(max(0.0, min(float(m.group(1)), deadline - time.monotonic())))
+                self.gone.wait(min(float(m.group(1)), left()))
             else:
-                self.check(c, {"exec": hook["exec"], "timeoutSeconds": max(0.0, deadline - time.monotonic())})
+                self.check(c, {"exec": hook["exec"], "timeoutSeconds": left()})
         elif hook and "httpGet" in hook:
-            self.check(c, {"httpGet": hook["httpGet"], "timeoutSeconds": max(0.1, deadline - time.monotonic())})
+            self.check(c, {"httpGet": hook["httpGet"], "timeoutSeconds": left()})
         if not c.proc:
             return
         kill_group(c.proc.pid, signal.SIGTERM)
@@ -421,13 +448,18 @@ class PodWorker(threading.Thread):
             self.conditions[kind] = (status, now_iso())
         return {"type": kind, "status": status, "lastTransitionTime": self.conditions[kind][1]}
 
+    def finished(self, c: Container, init: bool) -> bool:
+        """Exited and will not be restarted."""
+        return bool(c.terminated) and not c.proc and not self.should_restart(c, init)
+
     def push_status(self) -> None:
-        initialized = all(c.terminated and c.terminated["exitCode"] == 0 and not c.proc for c in self.init)
-        failed_init = any(c.terminated and not c.proc and not self.should_restart(c, True) and
-                          c.terminated["exitCode"] for c in self.init)
-        done = [c for c in self.containers if c.terminated and not c.proc and not self.should_restart(c, False)]
-        if failed_init or (done and len(done) == len(self.containers)):
-            phase = "Succeeded" if not failed_init and all(c.terminated["exitCode"] == 0 for c in done) else "Failed"
+        """PATCH the pod's status when it differs from the last one sent."""
+        ok = lambda c: c.terminated["exitCode"] == 0  # noqa: E731
+        initialized = all(self.finished(c, True) and ok(c) for c in self.init)
+        failed_init = any(self.finished(c, True) and not ok(c) for c in self.init)
+        done = [c for c in self.containers if self.finished(c, False)]
+        if failed_init or len(done) == len(self.containers):
+            phase = "Failed" if failed_init or not all(ok(c) for c in done) else "Succeeded"
         elif initialized and any(c.proc or c.terminated for c in self.containers):
             phase = "Running"
         else:
@@ -435,8 +467,10 @@ class PodWorker(threading.Thread):
         ready = initialized and all(c.ready for c in self.containers)
         status = {"phase": phase, "hostIP": self.agent.node_ip, "podIP": self.ip,
                   "podIPs": [{"ip": self.ip}], "startTime": self.start_time,
-                  "conditions": [self.condition("PodScheduled", True), self.condition("Initialized", initialized),
-                                 self.condition("ContainersReady", ready), self.condition("Ready", ready)],
+                  "conditions": [self.condition("PodScheduled", True),
+                                 self.condition("Initialized", initialized),
+                                 self.condition("ContainersReady", ready),
+                                 self.condition("Ready", ready)],
                   "containerStatuses": [c.status() for c in self.containers],
                   "initContainerStatuses": [c.status() for c in self.init]}
         if status != self.pushed:
@@ -460,31 +494,34 @@ class Agent:
         self.work, self.pv_root = Path(args.work_dir).resolve(), Path(args.pv_root).resolve()
         self.kubeconfig = yaml.safe_load(Path(args.kubeconfig).read_text())
         net = ipaddress.ip_network(args.pod_cidr)
+        self.route = None if net.is_loopback else args.pod_cidr
         if net.is_loopback:
             net = ipaddress.ip_network(f"127.0.{random.randint(1, 250)}.0/24")
-        self.ips = deque(str(net.network_address + i) for i in range(10, min(net.num_addresses - 1, 255)))
-        self.route = None if net.is_loopback else args.pod_cidr
+        hosts = range(10, min(net.num_addresses - 1, 255))
+        self.ips = deque(str(net.network_address + i) for i in hosts)  # free pod IPs, oldest first
         self.workers: dict[str, PodWorker] = {}
         self.stopping, self.t0 = threading.Event(), now_iso()
 
     def data_of(self, kind: str, ns: str, name: str, optional: bool) -> dict[str, bytes]:
         """A ConfigMap's or Secret's data as bytes per key ({} when optional and missing)."""
+        read = (self.core.read_namespaced_config_map if kind == "configMap"
+                else self.core.read_namespaced_secret)
         try:
-            read = self.core.read_namespaced_config_map if kind == "configMap" else self.core.read_namespaced_secret
             obj = json.loads(read(name, ns, _preload_content=False).data)
         except ApiException as exc:
             if exc.status == 404 and optional:
                 return {}
             raise
-        if kind == "secret":
-            return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
-        return {**{k: v.encode() for k, v in (obj.get("data") or {}).items()},
-                **{k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()}}
+        text = {} if kind == "secret" else obj.get("data") or {}
+        binary = obj.get("data" if kind == "secret" else "binaryData") or {}
+        return {**{k: v.encode() for k, v in text.items()},
+                **{k: base64.b64decode(v) for k, v in binary.items()}}
 
     def pod_kubeconfig(self, pod_dir: Path, token: str) -> Path:
         """A kubeconfig for the pod's ServiceAccount token (same server and CA as ours)."""
-        kc = {**self.kubeconfig, "users": [{"name": "pod", "user": {"token": token.strip()}}]}
-        kc["contexts"] = [{"name": "pod", "context": {"cluster": kc["clusters"][0]["name"], "user": "pod"}}]
+        kc = dict(self.kubeconfig, users=[{"name": "pod", "user": {"token": token.strip()}}])
+        kc["contexts"] = [{"name": "pod", "context": {"cluster": kc["clusters"][0]["name"],
+                                                      "user": "pod"}}]
         kc["current-context"] = "pod"
         path = pod_dir / "kubeconfig"
         path.write_text(yaml.safe_dump(kc))
@@ -492,35 +529,43 @@ class Agent:
 
     # -- node -----------------------------------------------------------------------------
     def node_status(self) -> dict:
-        mem_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal"))
-        capacity = {"cpu": str(os.cpu_count()), "memory": f"{mem_kib}Ki", "pods": "110",
-                    "ephemeral-storage": "100Gi", **dict(c.split("=", 1) for c in self.args.capacity)}
-        t, t0 = now_iso(), self.t0
-        conds = [(k, "False", f"KubeletHasSufficient{k[:-8]}") for k in ("MemoryPressure", "DiskPressure", "PIDPressure")]
-        return {"capacity": capacity, "allocatable": capacity,
-                "conditions": [{"type": k, "status": s, "reason": r, "lastHeartbeatTime": t, "lastTransitionTime": t0,
-                                "message": "sluice node agent"} for k, s, r in conds + [("Ready", "True", "KubeletReady")]],
-                "addresses": [{"type": "InternalIP", "address": self.node_ip}, {"type": "Hostname", "address": self.node}],
-                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.args.kubelet_port}},
-                "nodeInfo": {"kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2", "operatingSystem": "linux",
-                             "architecture": "amd64", "containerRuntimeVersion": "sluice-node-agent://0",
-                             "osImage": "local processes", "kernelVersion": os.uname().release,
-                             "machineID": "", "systemUUID": "", "bootID": ""}}
+        """Capacity (cpu cores, memory KiB, pods; --capacity overrides), conditions, info."""
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        capacity = {"cpu": str(os.cpu_count()), "pods": "110", "ephemeral-storage": "100Gi",
+                    "memory": f"{int(meminfo['MemTotal'].split()[0])}Ki",
+                    **dict(c.split("=", 1) for c in self.args.capacity)}
+        conditions = [(f"{k}Pressure", "False", f"KubeletHasSufficient{k}")
+                      for k in ("Memory", "Disk", "PID")] + [("Ready", "True", "KubeletReady")]
+        return {
+            "capacity": capacity, "allocatable": capacity,
+            "conditions": [{"type": k, "status": s, "reason": r, "message": "sluice node agent",
+                            "lastHeartbeatTime": now_iso(), "lastTransitionTime": self.t0}
+                           for k, s, r in conditions],
+            "addresses": [{"type": "InternalIP", "address": self.node_ip},
+                          {"type": "Hostname", "address": self.node}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.args.kubelet_port}},
+            "nodeInfo": {"kubeletVersion": "v1.20.2", "kubeProxyVersion": "v1.20.2",
+                         "operatingSystem": "linux", "architecture": "amd64",
+                         "containerRuntimeVersion": "sluice-node-agent://0",
+                         "osImage": "local processes", "kernelVersion": os.uname().release,
+                         "machineID": "", "systemUUID": "", "bootID": ""}}
 
     def register(self) -> None:
+        """Create (or adopt) the Node, untainted, and the default StorageClass `standard`."""
         labels = {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux",
                   "kubernetes.io/arch": "amd64", "type": "sluice-node-agent"}
-        body = {"metadata": {"name": self.node, "labels": labels}, "spec": {}, "status": self.node_status()}
         try:
-            self.core.create_node(body)
+            self.core.create_node({"metadata": {"name": self.node, "labels": labels},
+                                   "status": self.node_status()})
         except ApiException as exc:
             if exc.status != 409:
                 raise
-            self.core.patch_node(self.node, {"metadata": {"labels": labels}, "spec": {"taints": None}})
+            self.core.patch_node(self.node, {"metadata": {"labels": labels},
+                                             "spec": {"taints": None}})
         self.core.patch_node_status(self.node, {"status": self.node_status()})
-        sc = {"metadata": {"name": "standard", "annotations": {
-            "storageclass.kubernetes.io/is-default-class": "true"}}, "provisioner": PROVISIONER,
-            "reclaimPolicy": "Delete", "volumeBindingMode": "Immediate"}
+        default = {"storageclass.kubernetes.io/is-default-class": "true"}
+        sc = {"metadata": {"name": "standard", "annotations": default}, "provisioner": PROVISIONER,
+              "reclaimPolicy": "Delete", "volumeBindingMode": "Immediate"}
         try:
             client.StorageV1Api(self.api).create_storage_class(sc)
         except ApiException as exc:
@@ -533,43 +578,49 @@ class Agent:
         while not self.stopping.wait(2.0):
             try:
                 self.provision()
-                if time.monotonic() - last_beat >= HEARTBEAT_S:
-                    self.core.patch_node_status(self.node, {"status": self.node_status()})
-                    renew = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-                    lease = {"metadata": {"name": self.node}, "spec": {
-                        "holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": renew}}
-                    try:
-                        leases.patch_namespaced_lease(self.node, "kube-node-lease", lease)
-                    except ApiException as exc:
-                        if exc.status != 404:
-                            raise
-                        leases.create_namespaced_lease("kube-node-lease", lease)
-                    last_beat = time.monotonic()
+                if time.monotonic() - last_beat < HEARTBEAT_S:
+                    continue
+                self.core.patch_node_status(self.node, {"status": self.node_status()})
+                renew = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+                lease = {"metadata": {"name": self.node}, "spec": {
+                    "holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": renew}}
+                try:
+                    leases.patch_namespaced_lease(self.node, "kube-node-lease", lease)
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+                    leases.create_namespaced_lease("kube-node-lease", lease)
+                last_beat = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the apiserver may blip; retry next round
                 log.warning("housekeeping: %s", exc)
 
     def provision(self) -> None:
-        pvcs = json.loads(self.core.list_persistent_volume_claim_for_all_namespaces(
-            _preload_content=False, _request_timeout=10).data)["items"]
-        for pvc in pvcs:
+        """Bind unbound `standard` PVCs to hostPath PVs at PV_ROOT/CLAIM; drop Released PVs."""
+        def items(lister) -> list[dict]:
+            return json.loads(lister(_preload_content=False, _request_timeout=10).data)["items"]
+
+        for pvc in items(self.core.list_persistent_volume_claim_for_all_namespaces):
             md, spec = pvc["metadata"], pvc["spec"]
             if spec.get("volumeName") or spec.get("storageClassName") != "standard":
                 continue
             path = self.pv_root / md["name"]
             path.mkdir(parents=True, exist_ok=True)
-            pv = {"metadata": {"name": f"pvc-{md['uid']}", "annotations": {"pv.kubernetes.io/provisioned-by": PROVISIONER}},
+            claim = {"namespace": md["namespace"], "name": md["name"], "uid": md["uid"]}
+            pv = {"metadata": {"name": f"pvc-{md['uid']}",
+                               "annotations": {"pv.kubernetes.io/provisioned-by": PROVISIONER}},
                   "spec": {"capacity": {"storage": spec["resources"]["requests"]["storage"]},
                            "accessModes": spec["accessModes"], "storageClassName": "standard",
-                           "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": str(path)},
-                           "claimRef": {"namespace": md["namespace"], "name": md["name"], "uid": md["uid"]}}}
+                           "persistentVolumeReclaimPolicy": "Delete",
+                           "hostPath": {"path": str(path)}, "claimRef": claim}}
             try:
                 self.core.create_persistent_volume(pv)
             except ApiException as exc:
                 if exc.status != 409:
                     raise
-        for pv in json.loads(self.core.list_persistent_volume(_preload_content=False, _request_timeout=10).data)["items"]:
-            ours = pv["metadata"].get("annotations", {}).get("pv.kubernetes.io/provisioned-by") == PROVISIONER
-            if ours and pv.get("status", {}).get("phase") == "Released":
+        for pv in items(self.core.list_persistent_volume):
+            annotations = pv["metadata"].get("annotations", {})
+            if (annotations.get("pv.kubernetes.io/provisioned-by") == PROVISIONER
+                    and pv.get("status", {}).get("phase") == "Released"):
                 self.core.delete_persistent_volume(pv["metadata"]["name"])
 
     # -- pods -----------------------------------------------------------------------------
@@ -578,7 +629,8 @@ class Agent:
         worker = self.workers.get(uid)
         if worker:
             worker.update(pod)
-        elif pod.get("status", {}).get("phase") not in ("Succeeded", "Failed") or pod["metadata"].get("deletionTimestamp"):
+        elif (pod.get("status", {}).get("phase") not in ("Succeeded", "Failed")
+              or pod["metadata"].get("deletionTimestamp")):  # finished before an agent restart
             worker = PodWorker(self, pod)
             worker.start()
             self.workers[uid] = worker
@@ -601,9 +653,11 @@ class Agent:
                     self.forget(uid)
                 for pod in pods.values():
                     self.seen(pod)
-                for ev in watch.Watch().stream(self.core.list_pod_for_all_namespaces, field_selector=selector,
-                                               resource_version=listing["metadata"]["resourceVersion"],
-                                               timeout_seconds=60, _request_timeout=90):
+                events = watch.Watch().stream(
+                    self.core.list_pod_for_all_namespaces, field_selector=selector,
+                    resource_version=listing["metadata"]["resourceVersion"],
+                    timeout_seconds=60, _request_timeout=90)
+                for ev in events:
                     if self.stopping.is_set() or ev["type"] == "ERROR":
                         break
                     if ev["type"] == "DELETED":
@@ -630,7 +684,9 @@ class Agent:
             def do_GET(self):  # noqa: N802
                 url = urllib.parse.urlparse(self.path)
                 parts, query = url.path.strip("/").split("/"), urllib.parse.parse_qs(url.query)
-                path = agent.pod_log(*(parts[1:] + [""])[:3]) if parts[0] == "containerLogs" and len(parts) >= 3 else None
+                path = None
+                if parts[0] == "containerLogs" and len(parts) >= 3:
+                    path = agent.pod_log(*(parts[1:] + [""])[:3])
                 if not path or not path.exists():
                     return self.send_error(404)
                 self.send_response(200)
@@ -672,7 +728,8 @@ class Agent:
                 worker.join(timeout=10)
         finally:
             if self.route:
-                subprocess.run(["ip", "route", "del", "local", self.route, "dev", "lo"], check=False)
+                subprocess.run(["ip", "route", "del", "local", self.route, "dev", "lo"],
+                               check=False)
 
 
 def main() -> None:
@@ -680,13 +737,17 @@ def main() -> None:
     ap.add_argument("--kubeconfig", required=True)
     ap.add_argument("--node-name", default="sluice-local")
     ap.add_argument("--work-dir", required=True, help="pod directories and logs go under WORK/pods")
-    ap.add_argument("--pv-root", required=True, help="PersistentVolumeClaim CLAIM lives in PV_ROOT/CLAIM")
-    ap.add_argument("--pod-cidr", default="127.0.0.0/8", help="pod addresses (a /24 made local via lo)")
-    ap.add_argument("--capacity", action="append", default=[], help="extra capacity, e.g. nvidia.com/gpu=2")
-    ap.add_argument("--kubelet-port", type=int, default=0, help="TLS port for `kubectl logs` (0: off)")
+    ap.add_argument("--pv-root", required=True, help="claim CLAIM lives in PV_ROOT/CLAIM")
+    ap.add_argument("--pod-cidr", default="127.0.0.0/8",
+                    help="pod addresses: a /24 made local via lo (root), or loopback")
+    ap.add_argument("--capacity", action="append", default=[], metavar="KEY=VALUE",
+                    help="override or add Node capacity, e.g. nvidia.com/gpu=2")
+    ap.add_argument("--kubelet-port", type=int, default=0,
+                    help="TLS port for `kubectl logs` (0: off)")
     ap.add_argument("--pki", help="directory with ca.crt, kubelet.crt, kubelet.key")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(threadName)s %(message)s")
     agent = Agent(args)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: agent.stopping.set())
