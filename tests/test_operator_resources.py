@@ -362,10 +362,12 @@ def test_crash_loop_names_the_last_exit():
 
 def test_init_container_crash_is_reported():
     fetching = pod(init=[{"name": "fetch-model", "restartCount": 2, "state": {"waiting": {
-        "reason": "CrashLoopBackOff", "message": "back-off 20s restarting failed container"}}}])
+        "reason": "CrashLoopBackOff", "message": "back-off 20s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}])
     assert pod_problem(fetching).message == ("pod smol-worker-abc-1: init container "
                                              "fetch-model: back-off 20s restarting failed "
-                                             "container")
+                                             "container; restarted 2 time(s); last exit code "
+                                             "1 (Error)")
 
 
 def test_several_problem_pods_are_counted_and_terminating_pods_ignored():

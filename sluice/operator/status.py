@@ -83,7 +83,8 @@ def pod_problem(pod: Mapping[str, Any]) -> Problem | None:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             reason = waiting.get("reason")
             if reason in PROBLEM_REASONS:
-                message = waiting.get("message") or _last_exit(cs) or reason
+                message = "; ".join(m for m in (waiting.get("message"), _last_exit(cs)) if m)
+                message = message or reason
                 return Problem(reason, f"pod {name}: {kind} {cs.get('name')}: {message}")
     if status.get("phase") == "Failed":
         reason = status.get("reason") or "PodFailed"
