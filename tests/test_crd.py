@@ -48,6 +48,14 @@ def test_check_reports_a_stale_file_with_a_diff(tmp_path):
     assert diff.startswith(f"--- {missing} (on disk)") and "+kind: CustomResourceDefinition" in diff
 
 
+def test_check_exits_one_with_the_diff_when_stale(monkeypatch, capsys):
+    monkeypatch.setattr(crd, "render", lambda: "kind: Other\n")
+    assert crd.main(["--check"]) == 1
+    out = capsys.readouterr()
+    assert "+kind: Other" in out.out and "-kind: CustomResourceDefinition" in out.out
+    assert "run `python -m sluice.api.crd`" in out.err
+
+
 def test_check_command_exits_zero_when_current():
     result = subprocess.run([sys.executable, "-m", "sluice.api.crd", "--check"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)

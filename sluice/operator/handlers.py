@@ -147,6 +147,7 @@ class _DropRoutineSuccesses(logging.Filter):
 
 def _quiet_logs() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /health probe
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # kubelet's liveness GETs
     kopf_objects = logging.getLogger("kopf.objects")
     if not any(isinstance(f, _DropRoutineSuccesses) for f in kopf_objects.filters):
         kopf_objects.addFilter(_DropRoutineSuccesses())
