@@ -709,7 +709,7 @@ class Agent:
 
     def run(self) -> None:
         if self.route:
-            subprocess.run(["ip", "route", "replace", "local", self.route, "dev", "lo"], check=True)
+            subprocess.run(["ip", "route", "add", "local", self.route, "dev", "lo"], check=True)
         try:
             self.register()
             threads = [threading.Thread(target=self.housekeeping, daemon=True),
@@ -722,9 +722,10 @@ class Agent:
             while not self.stopping.wait(1.0):
                 pass
             log.info("stopping %d pods", len(self.workers))
+            workers = list(self.workers.values())
             for uid in list(self.workers):
-                worker = self.workers[uid]
                 self.forget(uid)
+            for worker in workers:
                 worker.join(timeout=10)
         finally:
             if self.route:
