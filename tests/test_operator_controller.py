@@ -172,6 +172,19 @@ def test_other_api_errors_propagate_for_a_retry():
         run(controller(kube).reconcile(body))
 
 
+def test_observed_generation_follows_reconciles_not_reads():
+    body = isvc()
+    kube = FakeKube(body)
+    ctl = controller(kube)
+    run(ctl.reconcile(body))
+    assert kube.status()["observedGeneration"] == 3
+    kube.isvcs[("team-a", "smol")]["metadata"]["generation"] = 4  # edited, not reconciled yet
+    run(ctl.refresh("team-a", "smol"))
+    assert kube.status()["observedGeneration"] == 3
+    run(ctl.reconcile(kube.isvcs[("team-a", "smol")]))
+    assert kube.status()["observedGeneration"] == 4
+
+
 def test_scale_patches_only_replicas():
     body = isvc(replicas=1)
     kube = FakeKube(body)

@@ -290,7 +290,7 @@ def test_ready_when_a_replica_is_ready_and_answers():
     body = isvc(replicas=2)
     probe = Probe("http://10.200.0.10:8000/health", True, "HTTP 200")
     status = compute_status(body, deployment_status(replicas=2, ready=1), [], ENDPOINTS, probe,
-                            NOW)
+                            NOW, observed=3)
     assert status.replicas == 2 and status.ready_replicas == 1
     assert status.observed_generation == 3
     assert status.selector == "app.kubernetes.io/instance=smol,app.kubernetes.io/name=sluice-worker"
@@ -433,6 +433,17 @@ def test_last_transition_time_moves_only_on_status_change():
     second = compute_status(body, deployment_status(ready=1), [], ENDPOINTS, None, LATER)
     times = {c.type: c.last_transition_time for c in second.conditions}
     assert times == {"Ready": LATER, "Progressing": LATER, "Degraded": NOW}
+
+
+def test_observed_generation_is_what_was_reconciled():
+    body = isvc()  # metadata.generation 3
+    assert compute_status(body, None, [], None, None, NOW, observed=2).observed_generation == 2
+    unknown = compute_status(body, None, [], None, None, NOW)  # after a restart, say
+    assert unknown.observed_generation is None
+    body["status"] = {"observedGeneration": 2}
+    kept = compute_status(body, None, [], None, None, NOW)
+    assert kept.observed_generation == 2
+    assert {c.observed_generation for c in kept.conditions} == {2}
 
 
 def test_ready_addresses():

@@ -49,11 +49,14 @@ class Controller:
                  probe_timeout: float = 2.0, clock: Any = utc_now):
         self.kube, self.config, self.probe_enabled = kube, config, probe
         self._clock = clock
-        self._http = httpx.AsyncClient(timeout=probe_timeout) if probe else None
+        # Straight to the pod: no proxy from the environment.
+        self._http = httpx.AsyncClient(timeout=probe_timeout, trust_env=False) if probe else None
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         # Specs the API server refused at apply time (e.g. a malformed quantity), by object:
         # (generation, message), so a later refresh keeps saying InvalidSpec.
         self._refused: dict[tuple[str, str], tuple[int | None, str]] = {}
+        # The metadata.generation last reconciled (applied, or found invalid), by object.
+        self._observed: dict[tuple[str, str], int | None] = {}
 
     async def close(self) -> None:
         if self._http is not None:
@@ -73,9 +76,11 @@ class Controller:
                 await self._apply(obj)
         except InvalidSpec as exc:
             self._refused[key] = (_generation(body), str(exc))
+            self._observed[key] = _generation(body)
             await self.refresh(*key)
             raise
         self._refused.pop(key, None)
+        self._observed[key] = _generation(body)
         await self.refresh(*key)
 
     async def _apply(self, obj: dict[str, Any]) -> None:
@@ -97,6 +102,7 @@ class Controller:
         if not await self.kube.scale_deployment(namespace, resources.worker_name(name),
                                                 replicas):
             return False
+        self._observed[(namespace, name)] = _generation(body)
         await self.refresh(namespace, name)
         return True
 
@@ -112,8 +118,8 @@ class Controller:
 
     def forget(self, namespace: str, name: str) -> None:
         """The InferenceService is gone: drop what we kept about it."""
-        self._locks.pop((namespace, name), None)
-        self._refused.pop((namespace, name), None)
+        for kept in (self._locks, self._refused, self._observed):
+            kept.pop((namespace, name), None)
 
     async def refresh(self, namespace: str, name: str) -> InferenceServiceStatus | None:
         """Recompute and write the status; returns it (None: the object is gone)."""
@@ -143,7 +149,8 @@ class Controller:
         addresses = ready_addresses(endpoints)
         if addresses and self._http is not None and invalid is None:
             probe = await self._probe(addresses[0])
-        return compute_status(body, deployment, pods, endpoints, probe, self._clock(), invalid)
+        return compute_status(body, deployment, pods, endpoints, probe, self._clock(), invalid,
+                              observed=self._observed.get((namespace, name)))
 
     def _invalid(self, body: Mapping[str, Any]) -> str | None:
         refused = self._refused.get(_key(body))

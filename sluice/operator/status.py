@@ -111,8 +111,8 @@ def _deployment_problem(deployment: Mapping[str, Any] | None) -> Problem | None:
 
 def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None,
                    pods: list[Mapping[str, Any]], endpoints: Mapping[str, Any] | None,
-                   probe: Probe | None, now: str, invalid: str | None = None
-                   ) -> InferenceServiceStatus:
+                   probe: Probe | None, now: str, invalid: str | None = None,
+                   observed: int | None = None) -> InferenceServiceStatus:
     """The status to write.
 
     Args:
@@ -124,10 +124,11 @@ def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
             address, or probing is off).
         now: RFC 3339 timestamp for conditions that change now.
         invalid: the InvalidSpec message, when the spec cannot be served.
+        observed: the metadata.generation the operator last reconciled; None: unknown (after
+            a restart, until it reconciles again), and the current status' value is kept.
     """
     meta = body.get("metadata") or {}
     name, namespace = meta.get("name", ""), meta.get("namespace", "")
-    generation = meta.get("generation")
     desired = int((body.get("spec") or {}).get("replicas", 1))
     dstatus = (deployment or {}).get("status") or {}
     replicas, ready = int(dstatus.get("replicas") or 0), int(dstatus.get("readyReplicas") or 0)
@@ -139,7 +140,8 @@ def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
         (DEGRADED, "True", problem.reason, problem.message) if problem
         else (DEGRADED, "False", "AsExpected", "no worker pod reports a problem"),
     ]
-    previous = _previous(body)
+    previous, before = _previous(body)
+    generation = observed if observed is not None else before
     return InferenceServiceStatus(
         observed_generation=generation, replicas=replicas, ready_replicas=ready,
         selector=selector_string(name), endpoint=endpoint_url(name, namespace),
@@ -202,12 +204,13 @@ def _progressing(desired: int, deployment: Mapping[str, Any] | None,
     return PROGRESSING, "False", "Complete", f"{desired} replica(s) updated and ready"
 
 
-def _previous(body: Mapping[str, Any]) -> dict[str, Condition]:
+def _previous(body: Mapping[str, Any]) -> tuple[dict[str, Condition], int | None]:
+    """The current conditions by type, and the current observedGeneration."""
     try:
         status = InferenceServiceStatus.model_validate(body.get("status") or {})
     except ValueError:
-        return {}
-    return {c.type: c for c in status.conditions}
+        return {}, None
+    return {c.type: c for c in status.conditions}, status.observed_generation
 
 
 def _condition(previous: dict[str, Condition], type_: str, status: str, reason: str,
