@@ -6,7 +6,6 @@ import copy
 import re
 import subprocess
 import sys
-from collections import deque
 from pathlib import Path
 
 import jsonschema
@@ -207,7 +206,8 @@ def test_examples_exist():
 @pytest.mark.parametrize(("change", "field", "words"), [
     ({"engine": {"name": "tgi"}}, ["spec", "engine", "name"], "'tgi' is not one of"),
     ({"replicas": -1}, ["spec", "replicas"], "less than the minimum"),
-    ({"slo": {"percentile": 0}}, ["spec", "slo", "percentile"], "less than or equal to the minimum"),
+    ({"slo": {"percentile": 0}}, ["spec", "slo", "percentile"],
+     "less than or equal to the minimum"),
     ({"slo": {"percentile": 101}}, ["spec", "slo", "percentile"], "greater than the maximum"),
     ({"engine": {"native": {"speculative": {"numTokens": 17}}}},
      ["spec", "engine", "native", "speculative", "numTokens"], "greater than the maximum"),

@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
-from pydantic.json_schema import GenerateJsonSchema, NoDefault
+from pydantic.json_schema import GenerateJsonSchema
 
 from sluice.api.service import (
     API_VERSION,

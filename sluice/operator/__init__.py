@@ -1,4 +1,5 @@
-"""The Sluice operator (``sluice operator``, kopf): InferenceService → worker Deployment + Service.
+"""The Sluice operator (``sluice operator``, kopf): InferenceService → worker Deployment and
+Service.
 
     resources.py   pure builders: spec → the desired Deployment and Service
     status.py      pure status: Deployment, Pods, Endpoints, probe → status and conditions

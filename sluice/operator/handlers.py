@@ -47,7 +47,7 @@ import kopf
 from sluice.operator import resources
 from sluice.operator.controller import Controller
 from sluice.operator.kube import ApiError, Kube
-from sluice.operator.resources import GROUP, MANAGED_SELECTOR, PLURAL, InvalidSpec
+from sluice.operator.resources import GROUP, PLURAL, InvalidSpec
 from sluice.operator.settings import OperatorOptions, configure
 
 VERSION = "v1alpha1"
