@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from sluice.api.service import API_VERSION, KIND
+from sluice.api.service import API_VERSION, KIND, SpeculativeSpec
 from sluice.operator import resources as r
 from sluice.operator.resources import InvalidSpec, ModelCache, OperatorConfig
 from sluice.operator.status import Probe, compute_status, pod_problem, ready_addresses
@@ -132,6 +132,24 @@ def test_pvc_source_is_mounted_read_only():
     assert {"name": "model-source", "mountPath": "/models/weights", "readOnly": True} in \
         pod["containers"][0]["volumeMounts"]
     assert "initContainers" not in pod
+
+
+@pytest.mark.skipif("model" not in SpeculativeSpec.model_fields,
+                    reason="no draft-model speculative decoding in this checkout")
+def test_a_store_draft_model_is_fetched_too():
+    draft = "Qwen2.5-Coder-0.5B-Instruct"
+    body = isvc(model={"name": "coder", "source": "file:///opt/qwen-1.5b"},
+                engine={"native": {"speculative": {"method": "draft", "model": draft}}})
+    pod = deployment_of(body)["spec"]["template"]["spec"]
+    assert [c["args"][-1] for c in pod["initContainers"]] == [draft]
+    assert {"name": "SLUICE_HOME", "value": "/var/lib/sluice"} in pod["containers"][0]["env"]
+    args = worker_args(body)
+    assert args[:2] == ["--model", "/opt/qwen-1.5b"]
+    assert args[args.index("--speculative-model") + 1] == draft
+    both = isvc(engine={"native": {"speculative": {"method": "draft", "model": draft}}})
+    names = [(c["name"], c["args"][-1]) for c in
+             deployment_of(both)["spec"]["template"]["spec"]["initContainers"]]
+    assert names == [("fetch-model", MODEL), ("fetch-model-1", draft)]
 
 
 def test_file_source_is_passed_as_is():

@@ -8,7 +8,8 @@ InferenceService and a restarted operator adopts instead of duplicating them.
 
 Worker pod, for ``sluice://NAME`` (the model store)::
 
-    initContainer fetch-model: sluice models fetch NAME     (SLUICE_HOME on the model cache)
+    initContainer fetch-model: sluice models fetch NAME     (SLUICE_HOME on the model cache;
+                                                             also one per store draft model)
     container worker:          sluice worker --model NAME ... --host $(POD_IP) --port 8000
       readiness GET /health (503 while loading or draining), liveness GET /metrics,
       preStop sleep, non-root, read-only root filesystem, /tmp an emptyDir
@@ -230,35 +231,54 @@ def _plain(value: Any) -> Any:
 
 @dataclass
 class _Model:
-    """How the pod gets its model: the --model value and what it needs mounted."""
+    """How the pod gets its model(s): the --model value and what it needs mounted."""
 
     arg: str
     env: list[dict[str, Any]] = field(default_factory=list)
     volumes: list[dict[str, Any]] = field(default_factory=list)
     mounts: list[dict[str, Any]] = field(default_factory=list)
-    fetch: str | None = None  # store name the init container fetches
+    fetch: list[str] = field(default_factory=list)  # store names the init containers fetch
 
 
 def _model(service: InferenceService, cache: ModelCache) -> _Model:
+    from sluice.models import store
+
     model = service.spec.model
     location = model.source_location
     if model.source_scheme == "file":
-        return _Model(location)
-    if model.source_scheme == "pvc":
+        out = _Model(location)
+    elif model.source_scheme == "pvc":
         claim, _, path = location.strip("/").partition("/")
         root = f"{PVC_SOURCE_ROOT}/{claim}"
-        return _Model(f"{root}/{path.strip('/')}",
-                      volumes=[{"name": "model-source", "persistentVolumeClaim":
-                                {"claimName": claim, "readOnly": True}}],
-                      mounts=[{"name": "model-source", "mountPath": root, "readOnly": True}])
+        out = _Model(f"{root}/{path.strip('/')}",
+                     volumes=[{"name": "model-source", "persistentVolumeClaim":
+                               {"claimName": claim, "readOnly": True}}],
+                     mounts=[{"name": "model-source", "mountPath": root, "readOnly": True}])
+    else:
+        out = _Model(store.get_spec(location).name)  # canonical spelling
+        out.fetch.append(out.arg)
+    draft = _draft_store_model(service)
+    if draft is not None:
+        out.fetch.append(draft)
+    volume, mount_path = cache.volume(), cache.mount_path
+    if not out.fetch or volume is None or mount_path is None:  # no store model, or baked in
+        out.fetch = []
+        return out
+    out.env.append({"name": "SLUICE_HOME", "value": mount_path})
+    out.volumes.append(volume)
+    out.mounts.append({"name": "model-cache", "mountPath": mount_path})
+    return out
+
+
+def _draft_store_model(service: InferenceService) -> str | None:
+    """The speculative draft model's store name, when it is one (else it is a folder)."""
     from sluice.models import store
 
-    name = store.get_spec(location).name  # canonical spelling
-    volume, mount_path = cache.volume(), cache.mount_path
-    if volume is None or mount_path is None:  # baked into the image
-        return _Model(name)
-    return _Model(name, env=[{"name": "SLUICE_HOME", "value": mount_path}], volumes=[volume],
-                  mounts=[{"name": "model-cache", "mountPath": mount_path}], fetch=name)
+    speculative = service.spec.engine.native.speculative
+    draft = getattr(speculative, "model", None)
+    if not draft or draft.strip().lower() not in store.REGISTRY:
+        return None
+    return store.get_spec(draft).name
 
 
 def _resources(service: InferenceService) -> dict[str, Any]:
@@ -326,19 +346,18 @@ def build_pod_template(service: InferenceService, config: OperatorConfig) -> dic
         "containers": [container],
         "volumes": volumes,
     }
-    if model.fetch:
+    if model.fetch:  # one init container per store model, main model first
         pod["initContainers"] = [{
-            "name": "fetch-model",
+            "name": "fetch-model" if i == 0 else f"fetch-model-{i}",
             "image": image,
             "imagePullPolicy": config.image_pull_policy,
             "command": [command],
-            "args": [*prefix, "--log-level", config.worker_log_level, "models", "fetch",
-                     model.fetch],
+            "args": [*prefix, "--log-level", config.worker_log_level, "models", "fetch", name_],
             "env": base_env,
             "resources": copy.deepcopy(resources),
             "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
             "volumeMounts": [tmp, *model.mounts],
-        }]
+        } for i, name_ in enumerate(model.fetch)]
     if service.spec.resources.gpu:
         pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
                                "effect": "NoSchedule"}]
