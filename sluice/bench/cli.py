@@ -3,7 +3,8 @@ percentiles, goodput under SLOs, errors and cost.
 
 Exit status: 0 when every measured request succeeded; 1 when the run finished but some
 requests failed (the report and --output are still written; warm-up failures do not
-count); 2 for bad arguments or an unusable workload/tokenizer (nothing measured).
+count); 2 for bad arguments or an unusable workload/tokenizer (nothing measured); 130 when
+interrupted (Ctrl-C): the requests that had finished are still reported.
 """
 
 from __future__ import annotations
@@ -150,11 +151,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = LoadConfig(
         url=args.url, model=args.model, endpoint=args.endpoint,
         concurrency=args.concurrency if open_loop else (args.concurrency or 1),
-        open_loop=open_loop, num_requests=n, duration_s=args.duration, warmup=args.warmup,
+        open_loop=open_loop, num_requests=n, duration_s=args.duration,
         ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=extra,
         connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
         request_timeout_s=args.request_timeout)
-    records = _run_with_progress(cfg, specs, tok, arrivals, warmup, n, args.quiet)
+    records, interrupted = _run_with_progress(cfg, specs, tok, arrivals, warmup, n, args.quiet)
     summary = report.summarize(records, args.slo_ttft_ms, args.slo_itl_ms,
                                args.slo_itl_percentile, args.cost_per_hour, args.replicas)
     from rich.console import Console
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         for path in report.plot(args.plot, records):
             print(f"wrote {path}")
-    return 0 if summary["failed"] == 0 else 1
+    return 130 if interrupted else 0 if summary["failed"] == 0 else 1
 
 
 def _run_with_progress(cfg, specs, tok, arrivals, warmup, total, quiet):

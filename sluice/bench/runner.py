@@ -43,7 +43,6 @@ class LoadConfig:
     open_loop: bool = False
     num_requests: int | None = None
     duration_s: float | None = None
-    warmup: int = 0
     ignore_eos: bool = True
     temperature: float | None = None
     extra_body: dict | None = None
@@ -54,28 +53,40 @@ class LoadConfig:
 
 async def run(cfg: LoadConfig, specs: Iterable[RequestSpec], tokenizer: Tokenizer,
               arrivals: Iterator[float] | None = None, warmup_specs: Iterable[RequestSpec] = (),
-              on_done: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
-    """Send the warm-up, then the measured requests; return finalized measured records in
-    send order. ``arrivals`` gives open-loop offsets for specs without ``arrival_s``."""
+              on_done: Callable[[RequestRecord], None] | None = None
+              ) -> tuple[list[RequestRecord], bool]:
+    """Send the warm-up, then the measured requests. ``arrivals`` gives open-loop
+    offsets for specs without ``arrival_s``.
+
+    Returns:
+        (finished measured records, finalized, in send order; whether the run was
+        interrupted, e.g. by Ctrl-C: requests in flight then are dropped, not recorded).
+    """
     timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s,
                             write=cfg.connect_timeout_s, pool=None)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.concurrency or 64)
     url = cfg.url.rstrip("/") + bench_client.PATHS[cfg.endpoint]
+    records: list[RequestRecord] = []
+    interrupted = False
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        warm = await _closed(cfg, client, url, list(warmup_specs), None, None, None)
-        failed = [r for r in warm if not r.ok]
-        if failed:
-            logger.warning("%d of %d warm-up requests failed (%s: %s)", len(failed), len(warm),
-                           failed[0].error_code, failed[0].error)
-        if cfg.num_requests is not None:
-            specs = itertools.islice(specs, cfg.num_requests)
-        if cfg.open_loop:
-            records = await _open(cfg, client, url, specs, arrivals, on_done)
-        else:
-            records = await _closed(cfg, client, url, specs, cfg.duration_s, on_done,
-                                    cfg.concurrency or 1)
+        try:
+            warm: list[RequestRecord] = []
+            await _closed(cfg, client, url, warmup_specs, None, None, warm)
+            failed = [r for r in warm if not r.ok]
+            if failed:
+                logger.warning("%d of %d warm-up requests failed (%s: %s)", len(failed),
+                               len(warm), failed[0].error_code, failed[0].error)
+            if cfg.num_requests is not None:
+                specs = itertools.islice(specs, cfg.num_requests)
+            if cfg.open_loop:
+                await _open(cfg, client, url, specs, arrivals, on_done, records)
+            else:
+                await _closed(cfg, client, url, specs, cfg.duration_s, on_done, records)
+        except asyncio.CancelledError:  # Ctrl-C under asyncio.run: report what finished
+            interrupted = True
+            logger.warning("interrupted: reporting the %d requests that finished", len(records))
     records.sort(key=lambda r: r.index)
-    return [bench_client.finalize(r, tokenizer) for r in records]
+    return [bench_client.finalize(r, tokenizer) for r in records], interrupted
 
 
 def _record(cfg: LoadConfig, index: int, spec: RequestSpec) -> tuple[dict, RequestRecord]:
@@ -86,10 +97,10 @@ def _record(cfg: LoadConfig, index: int, spec: RequestSpec) -> tuple[dict, Reque
 
 async def _closed(cfg: LoadConfig, client: httpx.AsyncClient, url: str,
                   specs: Iterable[RequestSpec], duration_s: float | None,
-                  on_done: Callable | None, concurrency: int | None) -> list[RequestRecord]:
-    """``concurrency`` loops, each sending its next request when the last one ends."""
+                  on_done: Callable | None, records: list[RequestRecord]) -> None:
+    """``cfg.concurrency`` loops, each sending its next request when its last one ends;
+    finished records are appended to ``records``."""
     numbered = enumerate(specs)
-    records: list[RequestRecord] = []
     t0 = time.perf_counter()
 
     async def loop() -> None:
@@ -103,16 +114,16 @@ async def _closed(cfg: LoadConfig, client: httpx.AsyncClient, url: str,
             if on_done:
                 on_done(record)
 
-    await asyncio.gather(*(loop() for _ in range(concurrency or cfg.concurrency or 1)))
-    return records
+    await asyncio.gather(*(loop() for _ in range(cfg.concurrency or 1)))
 
 
 async def _open(cfg: LoadConfig, client: httpx.AsyncClient, url: str,
                 specs: Iterable[RequestSpec], arrivals: Iterator[float] | None,
-                on_done: Callable | None) -> list[RequestRecord]:
-    """Each request at its arrival offset, whatever is in flight (up to the cap)."""
+                on_done: Callable | None, records: list[RequestRecord]) -> None:
+    """Each request at its arrival offset, whatever is in flight. With a cap
+    (``cfg.concurrency``) a request may wait for a free slot: latencies count from the
+    actual send, and ``start_s - scheduled_s`` is that wait."""
     cap = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
-    records: list[RequestRecord] = []
     tasks = []
     t0 = time.perf_counter()
 
@@ -126,15 +137,21 @@ async def _open(cfg: LoadConfig, client: httpx.AsyncClient, url: str,
         if on_done:
             on_done(record)
 
-    for index, spec in enumerate(specs):
-        at = spec.arrival_s if spec.arrival_s is not None else next(arrivals)
-        if cfg.duration_s is not None and at >= cfg.duration_s:
-            break
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        body, record = _record(cfg, index, spec)
-        record.scheduled_s = at
-        tasks.append(asyncio.create_task(fire(body, record)))
-    await asyncio.gather(*tasks)
-    return records
+    try:
+        for index, spec in enumerate(specs):
+            if spec.arrival_s is None and arrivals is None:
+                raise ValueError("open loop needs arrival times: a rate or a trace")
+            at = spec.arrival_s if spec.arrival_s is not None else next(arrivals)
+            if cfg.duration_s is not None and at >= cfg.duration_s:
+                break
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body, record = _record(cfg, index, spec)
+            record.scheduled_s = at
+            tasks.append(asyncio.create_task(fire(body, record)))
+        await asyncio.gather(*tasks)
+    finally:  # interrupted while scheduling: no request outlives the run
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
