@@ -151,6 +151,33 @@ def test_unlisted_endpoints_are_not_polled():
     asyncio.new_event_loop().run_until_complete(scenario())
 
 
+def test_a_newly_listed_endpoint_is_polled_at_once():
+    """A worker that joins the ready addresses is confirmed by a poll right away, not at the
+    next poll interval (30 s here)."""
+    endpoints = EndpointSet(poll_interval=30.0)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL}]})
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            poller = asyncio.create_task(endpoints.poll_forever(client))
+            await asyncio.sleep(0.05)                    # the first (empty) poll is done
+            endpoints.sync(["http://a"], [MODEL])
+            started = time.monotonic()
+            while not endpoints.ready_for(MODEL) and time.monotonic() - started < 5:
+                await asyncio.sleep(0.01)
+            waited = time.monotonic() - started
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+            return waited
+
+    waited = asyncio.new_event_loop().run_until_complete(scenario())
+    assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a"] and waited < 2
+
+
 # ------------------------------------------------------------------ the list/watch loop
 
 class _Response:
@@ -509,6 +536,9 @@ def test_router_follows_inferenceservices_and_ready_endpoints(cluster, tmp_path)
     # SIGTERM ends the router at once: no watch thread holds up its shutdown
     assert time.monotonic() - stopping < 10
 
+    from sluice.operator.resources import MANAGED_SELECTOR
+    assert {q.get("labelSelector") for p, q in api.requests if p == CORE_PATH} == {MANAGED_SELECTOR}
+    assert {q.get("labelSelector") for p, q in api.requests if p == GROUP_PATH} == {None}
     watches = [q for p, q in api.requests if q.get("watch") == "true"]
     assert watches and all(int(q["timeoutSeconds"]) > 0 for q in watches)
     assert {p for p, q in api.requests if q.get("watch") != "true"} == {GROUP_PATH, CORE_PATH}

@@ -5,7 +5,7 @@ the event loop never blocks on it), keep a small view of the router's namespace:
 
     InferenceServices   name → spec.model.name                (serving.sluice.dev, read-only)
     Endpoints (v1)      name → ready URLs on the port ``http``  (v1: EndpointSlice is only
-                                                                 v1beta1 on Kubernetes 1.20)
+                        (the operator's labels select them)      v1beta1 on Kubernetes 1.20)
 
 Whenever either view changes, ``discovered`` joins them (InferenceService ``X`` ↔ Endpoints
 ``X-worker``, the worker Service the operator creates; names from
@@ -28,12 +28,13 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sluice.api.service import API_VERSION
-from sluice.operator.resources import PLURAL, WORKER_PORT_NAME, WORKER_SUFFIX
+from sluice.operator.resources import MANAGED_SELECTOR, PLURAL, WORKER_PORT_NAME, WORKER_SUFFIX
 from sluice.router.endpoints import EndpointSet
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ CONNECT_TIMEOUT_S = 10.0
 READ_GRACE_S = 30.0        # client read timeout = watch timeout + this (a dead connection ends)
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
+QUICK_WATCH_S = 1.0        # a watch the server ends sooner than this is retried with backoff
 
 
 # ------------------------------------------------------------------ pure translation
@@ -166,9 +168,15 @@ class Reflector:
         while not self.stop.is_set():
             try:
                 version = self.list()
-                delay = BACKOFF_START_S
+                delay = quick = BACKOFF_START_S
                 while not self.stop.is_set():
+                    started = time.monotonic()
                     version = self.watch(version)
+                    if time.monotonic() - started < QUICK_WATCH_S:  # ended at once: no spin
+                        self.stop.wait(quick)
+                        quick = min(quick * 2, BACKOFF_MAX_S)
+                    else:
+                        quick = BACKOFF_START_S
             except Exception as exc:  # noqa: BLE001 — any failure: back off, relist
                 if self.stop.is_set():
                     break
@@ -300,7 +308,10 @@ class KubernetesDiscovery:
                               PLURAL),
             served_model, self._changed, self._lock, self._stop, watch_timeout)
         self.worker_endpoints = Reflector(
-            "endpoints", functools.partial(core.list_namespaced_endpoints, namespace),
+            "endpoints",
+            # only the worker Services' Endpoints (they carry their Service's labels)
+            functools.partial(core.list_namespaced_endpoints, namespace,
+                              label_selector=MANAGED_SELECTOR),
             ready_urls, self._changed, self._lock, self._stop, watch_timeout)
         self._threads: list[threading.Thread] = []
 

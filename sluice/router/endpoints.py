@@ -93,14 +93,15 @@ class EndpointSet:
         for url in sorted(u.rstrip("/") for u in urls):
             self._endpoints.setdefault(url, Endpoint(url))
         self._declared: frozenset[str] | None = None  # models discovery says exist
+        self._wake: asyncio.Event | None = None  # set by sync: poll new endpoints now
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
 
     def sync(self, urls: Iterable[str], declared_models: Iterable[str]) -> None:
         """Make ``urls`` the listed endpoints (dynamic discovery).
 
-        New URLs are added not ready (the next poll confirms them); URLs that are gone are
-        unlisted at once and forgotten when their last request finishes.
+        New URLs are added not ready and the poller is woken to confirm them at once; URLs
+        that are gone are unlisted at once and forgotten when their last request finishes.
 
         Args:
             urls: base URLs of the endpoints discovery lists now (ready addresses).
@@ -109,14 +110,19 @@ class EndpointSet:
                 while it has no ready worker.
         """
         wanted = {u.rstrip("/") for u in urls}
+        joined = False
         for url in sorted(wanted):
             endpoint = self._endpoints.get(url)
             if endpoint is None:
                 self._endpoints[url] = Endpoint(url)
                 logger.info("worker %s discovered", url)
+                joined = True
             elif not endpoint.listed:
                 endpoint.listed, endpoint.ready, endpoint.next_poll = True, False, 0.0
                 logger.info("worker %s listed again", url)
+                joined = True
+        if joined and self._wake is not None:
+            self._wake.set()
         for endpoint in list(self):
             if endpoint.url not in wanted and endpoint.listed:
                 endpoint.listed, endpoint.ready = False, False
@@ -183,13 +189,19 @@ class EndpointSet:
         await asyncio.gather(*(self._poll_one(client, e) for e in due))
 
     async def poll_forever(self, client: httpx.AsyncClient) -> None:
-        """Run ``poll`` every ``poll_interval`` seconds until cancelled."""
+        """Run ``poll`` every ``poll_interval`` seconds, and at once when ``sync`` adds an
+        endpoint, until cancelled."""
+        self._wake = wake = asyncio.Event()
         while True:
             try:
                 await self.poll(client)
             except Exception:  # a bug here must not stop the poller
                 logger.exception("endpoint poll failed")
-            await asyncio.sleep(self.poll_interval)
+            try:
+                await asyncio.wait_for(wake.wait(), self.poll_interval)
+            except asyncio.TimeoutError:
+                pass
+            wake.clear()
 
     async def _poll_one(self, client: httpx.AsyncClient, endpoint: Endpoint) -> None:
         try:
