@@ -31,6 +31,8 @@ from typing import Any
 from sluice.api.service import API_VERSION, KIND, InferenceService, parse_manifest
 from sluice.api.worker_args import worker_arguments
 
+# Names, labels and the port below are also read by the router's Kubernetes discovery
+# (sluice/router/discovery.py imports them): changing one changes what the router finds.
 GROUP = API_VERSION.split("/")[0]
 PLURAL = "inferenceservices"
 FIELD_MANAGER = "sluice-operator"
