@@ -181,3 +181,20 @@ def test_smollm2_example():
     assert spec.replicas == 2 and spec.engine.name == "native"
     assert spec.engine.native.kv_cache_gib == 0.25
     assert spec.slo.ttft_ms and spec.slo.itl_ms
+
+
+def test_draft_model_speculation_maps_to_worker_flags():
+    from sluice.api.worker_args import worker_arguments
+
+    speculative = {"method": "draft", "numTokens": 3, "model": "Qwen2.5-Coder-0.5B-Instruct",
+                   "quantization": "int8"}
+    service = parse_manifest(with_spec(engine={"native": {"speculative": speculative}}))
+    argv = worker_arguments(service, "Qwen2.5-Coder-1.5B-Instruct")
+    i = argv.index("--speculative-method")
+    assert argv[i:] == ["--speculative-method", "draft", "--speculative-num-tokens", "3",
+                        "--speculative-model", "Qwen2.5-Coder-0.5B-Instruct",
+                        "--speculative-quantization", "int8"]
+    assert "speculative.model is needed by, and only by, method: draft" in error_of(
+        with_spec(engine={"native": {"speculative": {"method": "draft"}}}))
+    assert "speculative.model is needed by, and only by, method: draft" in error_of(
+        with_spec(engine={"native": {"speculative": {"method": "ngram", "model": "x"}}}))

@@ -1,4 +1,5 @@
-"""Speculative decoding: n-gram proposer, Leviathan verification, and the engine end to end."""
+"""Speculative decoding: n-gram and draft-model proposers, Leviathan verification, and the
+engine end to end."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ def test_ngram_proposer_continues_the_most_recent_longest_match():
     proposer = NgramProposer(num_tokens=3, max_n=3)
     #            0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
-    assert proposer.propose(tokens, limit=10) == [9, 2, 6]  # "6 7" last seen at 5..6
-    assert proposer.propose(tokens, limit=2) == [9, 2]
-    assert proposer.propose([1, 2, 3], limit=10) == []
-    assert proposer.propose(tokens, limit=0) == []
+    assert proposer.lookup(tokens, 3) == [9, 2, 6]  # "6 7" last seen at 5..6
+    assert proposer.lookup(tokens, 2) == [9, 2]
+    assert proposer.lookup([1, 2, 3], 3) == []
+    assert proposer.lookup(tokens, 0) == []
 
 
 def test_greedy_verification_accepts_the_matching_prefix():
@@ -48,6 +49,15 @@ def test_rejection_sampling_keeps_the_target_distribution():
 def engines(model_path):
     make = lambda **kw: LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.1, **kw))  # noqa: E731
     return make(), make(speculative_method="ngram", num_speculative_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def draft_engine(model_path):
+    """SmolLM2 drafting for itself with int8 weights: close enough to accept most drafts,
+    different enough that some are rejected (every verification path runs)."""
+    return LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.1, speculative_method="draft",
+                                  speculative_model=str(model_path), num_speculative_tokens=4,
+                                  speculative_model_quantization="int8"))
 
 
 PROMPT = ("Repeat this list exactly three times:\n"
@@ -82,3 +92,54 @@ def test_sampled_speculation_runs_and_is_seeded(engines):
     params = SamplingParams(max_tokens=24, temperature=0.7, seed=11, ignore_eos=True)
     a, b = spec.generate([ids], params)[0], spec.generate([ids], params)[0]
     assert a == b and len(a) == 24
+
+
+DRAFT_PROMPTS = ["The capital of France is", "def fibonacci(n):\n", PROMPT,
+                 "Write a short poem about the sea."]
+
+
+def test_greedy_output_is_identical_with_a_draft_model(engines, draft_engine):
+    plain, _ = engines
+    ids = [plain.tokenizer.encode(p) for p in DRAFT_PROMPTS]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    assert draft_engine.generate(ids, params) == plain.generate(ids, params)
+    proposed, accepted = draft_engine.num_draft_tokens, draft_engine.num_accepted_tokens
+    assert 0 < accepted < proposed  # accepted and rejected drafts both happened
+    pool = draft_engine.scheduler.block_manager
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_draft_model_reuses_prefix_cache_and_survives_preemption(model_path, engines):
+    """A six-block pool with four concurrent requests forces preemption (freed blocks reset
+    the draft's progress); the repeated prompt hits the prefix cache. Output is unchanged."""
+    plain, _ = engines
+    small = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=6 * 2 * 737_280 / 2**30,
+                                   max_num_batched_tokens=64, speculative_method="draft",
+                                   speculative_model=str(model_path), num_speculative_tokens=3))
+    assert small.scheduler.block_manager.num_blocks == 6
+    ids = [plain.tokenizer.encode(p) for p in DRAFT_PROMPTS[1:3] * 2]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert small.generate(ids, params) == plain.generate(ids, params)
+    assert small.scheduler.num_preemptions > 0
+    assert small.scheduler.block_manager.prefix_cache_hits > 0
+    assert small.num_accepted_tokens > 0
+    assert small.scheduler.block_manager.num_free_blocks == 6
+
+
+def test_draft_model_must_share_the_tokenizer(model_path, tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    other = tmp_path / "draft"
+    other.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(model_path / name, other / name)
+    tokenizer = Tokenizer.from_file(str(model_path / "tokenizer.json"))
+    tokenizer.add_tokens(["<not-in-the-target>"])
+    tokenizer.save(str(other / "tokenizer.json"))
+    with pytest.raises(ValueError, match="does not share the target model's tokenizer"):
+        LLMEngine(EngineConfig(model=str(model_path), speculative_method="draft",
+                               speculative_model=str(other)))
+    with pytest.raises(ValueError, match="speculative_model is needed by, and only by"):
+        EngineConfig(model=str(model_path), speculative_method="draft")

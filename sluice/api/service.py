@@ -102,8 +102,20 @@ class ModelSpec(_Spec):
 class SpeculativeSpec(_Spec):
     """Speculative decoding: a proposer drafts tokens, the model verifies them in one pass."""
 
-    method: Literal["ngram"] = Field("ngram", description="`ngram`: prompt lookup (no draft model).")
+    method: Literal["ngram", "draft"] = Field("ngram", description="`ngram`: prompt lookup "
+                                              "(no draft model); `draft`: a smaller draft model "
+                                              "with the same tokenizer (`model`).")
     num_tokens: int = Field(4, ge=1, le=16, description="Draft tokens verified per step.")
+    model: str | None = Field(None, min_length=1, description="Draft model for method `draft`: "
+                              "a model-store name (e.g. Qwen2.5-Coder-0.5B-Instruct) or a folder.")
+    quantization: Literal["int8"] | None = Field(None, description="`int8`: int8 weights for "
+                                                 "the draft model.")
+
+    @model_validator(mode="after")
+    def _check_draft(self) -> SpeculativeSpec:
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("speculative.model is needed by, and only by, method: draft")
+        return self
 
 
 class NativeEngineOptions(_Spec):

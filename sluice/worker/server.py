@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_FLAGS = ("max_model_len", "block_size", "kv_cache_gib", "max_num_seqs",
                  "max_num_batched_tokens", "enable_prefix_caching", "quantization",
-                 "speculative_method", "num_speculative_tokens", "dtype", "device")
+                 "speculative_method", "num_speculative_tokens", "speculative_model_quantization",
+                 "dtype", "device")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="reuse KV blocks of shared prompt prefixes (default: %(default)s)")
     parser.add_argument("--quantization", choices=("int8",),
                         help="int8: per-channel int8 weight-only linear layers (default: none)")
-    parser.add_argument("--speculative-method", choices=("ngram",),
-                        help="ngram: prompt-lookup speculative decoding (default: off)")
+    parser.add_argument("--speculative-method", choices=("ngram", "draft"),
+                        help="ngram: prompt-lookup speculative decoding; draft: a smaller "
+                             "model with the same tokenizer, --speculative-model (default: off)")
+    parser.add_argument("--speculative-model",
+                        help="draft model for --speculative-method draft: store name or folder")
+    parser.add_argument("--speculative-quantization", dest="speculative_model_quantization",
+                        choices=("int8",), help="int8 weights for the draft model (default: none)")
     parser.add_argument("--speculative-num-tokens", dest="num_speculative_tokens", type=int,
                         default=defaults["num_speculative_tokens"],
                         help="draft tokens verified per step (default: %(default)s)")
@@ -105,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = store.resolve(args.model)
         served = args.served_model_name or path.name
-        engine_config = EngineConfig(model=str(path), served_model_name=served,
+        draft = args.speculative_model and str(store.resolve(args.speculative_model))
+        engine_config = EngineConfig(model=str(path), served_model_name=served, speculative_model=draft,
                                      **{k: getattr(args, k) for k in _ENGINE_FLAGS})
     except (store.ModelStoreError, ValueError) as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)

@@ -91,7 +91,10 @@ def engine_arguments(config: EngineConfig, max_model_len: int) -> dict[str, Any]
         disable_log_stats=True,  # no periodic log lines; our recorder still gets stats
         seed=0,
     )
-    if getattr(config, "speculative_method", None) == "ngram":  # prompt-lookup drafts
+    if config.speculative_method == "draft":
+        raise ValueError("--speculative-method draft is a native-engine option here; "
+                         "the vllm engine takes --speculative-method ngram")
+    if config.speculative_method == "ngram":  # prompt-lookup drafts
         arguments["speculative_config"] = {
             "method": "ngram", "num_speculative_tokens": config.num_speculative_tokens}
     return arguments

@@ -113,6 +113,7 @@ class BlockManager:
                 self._free[block] = None
         seq.block_table.clear()
         seq.block_hashes.clear()
+        seq.num_draft_computed = 0
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])

@@ -22,8 +22,11 @@ class EngineConfig:
             (vLLM's name); default a quarter of max_num_batched_tokens.
         enable_prefix_caching: reuse the KV blocks of a shared prompt prefix across requests.
         quantization: None, or "int8" for per-output-channel int8 weight-only linears.
-        speculative_method: None, or "ngram" for prompt-lookup speculative decoding.
+        speculative_method: None; "ngram" for prompt-lookup speculative decoding; "draft"
+            for a smaller draft model sharing the tokenizer (``speculative_model``).
         num_speculative_tokens: k, the most draft tokens verified per step.
+        speculative_model: converted folder of the draft model (method "draft").
+        speculative_model_quantization: None, or "int8" for the draft model's linears.
         dtype: "float32" (fast on CPUs without bf16 units) or "bfloat16"/"float16".
         device: "cpu" or "cuda".
 
@@ -43,6 +46,8 @@ class EngineConfig:
     quantization: str | None = None
     speculative_method: str | None = None
     num_speculative_tokens: int = 4
+    speculative_model: str | None = None
+    speculative_model_quantization: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
 
@@ -60,10 +65,14 @@ class EngineConfig:
         if self.long_prefill_token_threshold < 1:
             raise ValueError("long_prefill_token_threshold must be >= 1, "
                              f"got {self.long_prefill_token_threshold}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
-        if self.speculative_method not in (None, "ngram"):
-            raise ValueError(f"speculative_method must be ngram or unset, got {self.speculative_method!r}")
+        for name in ("quantization", "speculative_model_quantization"):
+            if getattr(self, name) not in (None, "int8"):
+                raise ValueError(f"{name} must be int8 or unset, got {getattr(self, name)!r}")
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError("speculative_method must be ngram, draft or unset, "
+                             f"got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_model is needed by, and only by, speculative_method draft")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -18,7 +18,7 @@ from sluice.worker.engine.sampler import logprobs_of, sample
 from sluice.worker.engine.sampling_params import SamplingParams, check_fits
 from sluice.worker.engine.scheduler import Scheduler
 from sluice.worker.engine.sequence import Sequence, SequenceStatus
-from sluice.worker.engine.spec_decode import NgramProposer, verify
+from sluice.worker.engine.spec_decode import DraftModelProposer, NgramProposer, verify
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +54,28 @@ class LLMEngine:
                                                          DEFAULT_MAX_MODEL_LEN)
         self.eos_token_ids = _eos_token_ids(model_dir, self.tokenizer)
         self.runner = ModelRunner(hf_config, model_dir, self.max_model_len, config.block_size,
-                                  int(config.kv_cache_gib * 2**30), config.dtype, config.device,
-                                  config.quantization)
-        self.scheduler = Scheduler(config, self.runner.num_blocks)
-        self.proposer = (NgramProposer(config.num_speculative_tokens)
-                         if config.speculative_method == "ngram" else None)
+                                  config.dtype, config.device, config.quantization)
+        draft = None
+        if config.speculative_method == "draft":
+            draft = _draft_runner(config, self.tokenizer, self.max_model_len)
+        bytes_per_block = self.runner.bytes_per_block + (draft.bytes_per_block if draft else 0)
+        num_blocks = int(config.kv_cache_gib * 2**30) // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_gib {config.kv_cache_gib} holds no KV block "
+                             f"({bytes_per_block} bytes per block of {config.block_size} tokens)")
+        for runner in (self.runner, draft) if draft else (self.runner,):
+            runner.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s", num_blocks,
+                    config.block_size, num_blocks * config.block_size,
+                    num_blocks * bytes_per_block / 2**20, " (target + draft)" if draft else "")
+        self.scheduler = Scheduler(config, num_blocks)
+        self.proposer = (
+            NgramProposer(config.num_speculative_tokens) if config.speculative_method == "ngram"
+            else DraftModelProposer(draft, self.scheduler.block_manager, config.num_speculative_tokens)
+            if draft else None)
         self.num_draft_tokens = 0  # speculative tokens proposed (cumulative)
         self.num_accepted_tokens = 0  # of those, accepted by the target
-        capacity = self.runner.num_blocks * config.block_size
+        capacity = num_blocks * config.block_size
         if capacity < self.max_model_len:  # like vLLM: one request must always fit the pool
             if config.max_model_len:
                 raise ValueError(f"max_model_len {config.max_model_len} is more than the KV cache "
@@ -121,7 +135,8 @@ class LLMEngine:
                 samplers.append((seq, len(rows)))
                 rows.extend(range(start + gap - 1, start + n))
             start += n
-        logits = self.runner.execute(scheduled, rows)
+        logits = self.runner.execute(
+            [(seq.step_token_ids(n), seq.num_computed_tokens, seq.block_table) for seq, n in scheduled], rows)
         self._record_prompt_logprobs(logits, prompt_rows)
 
         new_tokens = self._choose_tokens(logits, samplers)
@@ -145,11 +160,11 @@ class LLMEngine:
         return [seq.take_output() for seq, _ in samplers]
 
     def _propose(self) -> None:
-        for seq in self.scheduler.running:
-            if seq.num_computed_tokens == seq.num_tokens - 1:  # decoding
-                limit = min(seq.params.max_tokens - seq.num_output_tokens - 1,
-                            self.max_model_len - seq.num_tokens)
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
+        wanted = [(seq, min(seq.params.max_tokens - seq.num_output_tokens - 1,
+                            self.max_model_len - seq.num_tokens))
+                  for seq in self.scheduler.running
+                  if seq.num_computed_tokens == seq.num_tokens - 1]  # decoding
+        self.proposer.propose(wanted)
 
     def _choose_tokens(self, logits: torch.Tensor, samplers) -> dict[Sequence, list[int]]:
         chosen: dict[Sequence, list[int]] = {}
@@ -214,3 +229,15 @@ def _eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
+
+
+def _draft_runner(config: EngineConfig, tokenizer, max_model_len: int) -> ModelRunner:
+    """Load the speculative draft model; it must share the target's vocabulary."""
+    draft_dir = Path(config.speculative_model)
+    draft_config = AutoConfig.from_pretrained(draft_dir)
+    if not set(getattr(draft_config, "architectures", None) or []) & set(SUPPORTED_ARCHITECTURES):
+        raise ValueError(f"draft model {draft_dir}: architecture not supported by the native engine")
+    if AutoTokenizer.from_pretrained(draft_dir).get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"draft model {draft_dir} does not share the target model's tokenizer")
+    return ModelRunner(draft_config, draft_dir, max_model_len, config.block_size, config.dtype,
+                       config.device, config.speculative_model_quantization)

@@ -9,7 +9,6 @@ import torch
 
 from sluice.worker.engine.attention import AttentionMetadata
 from sluice.worker.engine.models.llama import LlamaForCausalLM
-from sluice.worker.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -24,17 +23,19 @@ class ModelRunner:
         model_dir: folder with the safetensors weights.
         max_model_len: context length (sizes the rotary tables).
         block_size: tokens per KV block.
-        kv_cache_bytes: memory budget for the KV block pool, bytes.
         dtype: "float32", "bfloat16" or "float16".
         device: "cpu" or "cuda".
         quantization: None, or "int8" (weight-only, applied after loading; see quant.py).
 
+    The KV block pool is created separately (``allocate_kv_cache``), once the engine has
+    split its memory budget between this model and a speculative draft model.
+
     Raises:
-        ValueError: the budget holds no full block, or a weight is missing/mis-shaped.
+        ValueError: a weight is missing or mis-shaped.
     """
 
     def __init__(self, hf_config, model_dir: Path, max_model_len: int, block_size: int,
-                 kv_cache_bytes: int, dtype: str, device: str, quantization: str | None = None):
+                 dtype: str, device: str, quantization: str | None = None):
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
@@ -55,52 +56,54 @@ class ModelRunner:
             quantize_int8(model)
         self.model = model.eval()
 
-        layers = hf_config.num_hidden_layers
         elem = torch.finfo(self.dtype).bits // 8
-        bytes_per_block = 2 * layers * block_size * model.num_kv_heads * model.head_dim * elem
-        self.num_blocks = int(kv_cache_bytes // bytes_per_block)
-        if self.num_blocks < 1:
-            raise ValueError(f"KV cache budget of {kv_cache_bytes} bytes holds no block "
-                             f"({bytes_per_block} bytes per block of {block_size} tokens)")
-        shape = (self.num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.num_layers = hf_config.num_hidden_layers
+        self.bytes_per_block = 2 * self.num_layers * block_size * model.num_kv_heads * model.head_dim * elem
+        self.num_blocks = 0
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Create the block pool: per layer, K and V of [num_blocks, block_size, H_kv, D]
+        (``bytes_per_block`` bytes per block over all layers)."""
+        shape = (num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.num_blocks = num_blocks
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(layers)]
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", self.num_blocks,
-                    block_size, self.num_blocks * block_size,
-                    self.num_blocks * bytes_per_block / 2**20)
+                          for _ in range(self.num_layers)]
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], logit_rows: list[int]) -> torch.Tensor:
-        """Run the model over this step's new tokens.
+    def execute(self, batch: list[tuple[list[int], int, list[int]]], logit_rows: list[int]) -> torch.Tensor:
+        """Run the model over a batch of token runs, writing their K/V into the pool.
 
         Args:
-            scheduled: (sequence, num_new_tokens) pairs; block tables already allocated.
+            batch: per sequence (token ids, position of the first one, block table); the
+                table must already cover every position written. A run of one token takes
+                the batched decode path, longer runs the prefill path.
             logit_rows: indices into the flat batch of the tokens whose logits are needed.
 
         Returns:
             logits [len(logit_rows), vocab] fp32.
         """
-        input_ids, positions, meta = self._prepare(scheduled)
+        input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
 
-    def _prepare(self, scheduled: list[tuple[Sequence, int]]):
+    def _prepare(self, batch: list[tuple[list[int], int, list[int]]]):
         dev, bs = self.device, self.block_size
         ids, pos, slots, prefills = [], [], [], []
         decode_idx, decode_tables, decode_lens = [], [], []
         start = 0
-        for seq, n in scheduled:
-            c = seq.num_computed_tokens
-            table = torch.tensor(seq.block_table, dtype=torch.long)
+        for token_ids, c, block_table in batch:
+            n = len(token_ids)
+            table = torch.tensor(block_table, dtype=torch.long)
             p = torch.arange(c, c + n)
-            ids.append(torch.tensor(seq.step_token_ids(n), dtype=torch.long))
+            ids.append(torch.tensor(token_ids, dtype=torch.long))
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             if n == 1:
                 decode_idx.append(start)
-                decode_tables.append(table)
+                decode_tables.append(table[:c // bs + 1])
                 decode_lens.append(c + 1)
             else:
                 prefills.append((start, n, c + n, table[:-(-(c + n) // bs)].to(dev)))

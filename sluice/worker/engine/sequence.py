@@ -50,6 +50,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
         self.spec_token_ids: list[int] = []  # this step's speculative drafts
+        self.num_draft_computed = 0  # positions with valid draft-model K/V (spec_decode.py)
         self.status = SequenceStatus.WAITING
         self.arrival_time = time.monotonic()
         self.detokenizer = detokenizer

@@ -1,10 +1,13 @@
 """Speculative decoding: a cheap proposer guesses k tokens, the target verifies them in one
 forward pass.
 
-Proposer: n-gram prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram``):
-find the most recent earlier occurrence of the sequence's last n tokens (longest n first)
-and propose the k tokens that followed it. It costs no model call, and wins on repetitive
-output (code edits, extraction, summaries that quote the prompt).
+Proposers (both greedy, so each draft's q is one-hot):
+- n-gram prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's ``ngram``): find the
+  most recent earlier occurrence of the sequence's last n tokens (longest n first) and
+  propose the k tokens that followed it. It costs no model call, and wins on repetitive
+  output (code edits, extraction, summaries that quote the prompt).
+- a draft model (Leviathan et al. 2023; Chen et al. 2023): a smaller model with the same
+  tokenizer runs k greedy decode steps for every decoding sequence in one batch.
 
 Verifier (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
 Decoding"): the target scores the last sampled token and the k drafts in one pass, giving
@@ -20,8 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from sluice.worker.engine.block_manager import BlockManager
+from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.sampler import processed_probs
 from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.engine.sequence import Sequence
 
 
 class NgramProposer:
@@ -35,9 +41,14 @@ class NgramProposer:
     def __init__(self, num_tokens: int, max_n: int = 4, min_n: int = 1):
         self.num_tokens, self.max_n, self.min_n = num_tokens, max_n, min_n
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """Up to ``min(k, limit)`` draft tokens continuing ``token_ids`` ([] if no match)."""
-        k = min(self.num_tokens, limit)
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
+        """Set ``seq.spec_token_ids`` to up to ``min(k, limit)`` drafts for each decoding
+        (sequence, limit) pair; [] where the n-gram has no earlier match."""
+        for seq, limit in wanted:
+            seq.spec_token_ids = self.lookup(seq.token_ids, min(self.num_tokens, limit))
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        """The k tokens that followed the latest earlier match of the last n tokens."""
         if k <= 0:
             return []
         total = len(token_ids)
@@ -47,6 +58,57 @@ class NgramProposer:
                 if token_ids[start:start + n] == pattern:
                     return token_ids[start + n:start + n + k]
         return []
+
+
+class DraftModelProposer:
+    """Greedy drafts from a smaller model that shares the target's tokenizer.
+
+    The draft model keeps its own KV pool with as many blocks as the target's and is
+    addressed through the target's block tables (as vLLM's draft-model worker did), so it
+    needs no allocator of its own. ``seq.num_draft_computed`` counts the leading positions
+    whose draft K/V are valid; each proposal first catches the draft up to the sequence's
+    last token (the whole prompt the first time, then the one or two tokens the target
+    added), then decodes k - 1 more steps::
+
+        tokens:      t0 .. t(L-1) | d1 .. dk          (L = num_tokens)
+        draft K/V:   catch-up     | d1 .. d(k-1)      → num_draft_computed = L + k - 1
+
+    After verification accepted a drafts, the sequence has L + a + 1 tokens and the draft
+    K/V are valid up to position min(L + k - 1, L + a) - 1, which is what
+    ``min(num_draft_computed, num_tokens - 1)`` gives at the next proposal.
+
+    Args:
+        runner: the draft model's runner (``allocate_kv_cache`` done).
+        block_manager: the target's block pool (for the lookahead slots the draft writes).
+        num_tokens: k, the most drafts per step.
+    """
+
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, num_tokens: int):
+        self.runner, self.block_manager, self.num_tokens = runner, block_manager, num_tokens
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
+        """Set ``seq.spec_token_ids`` (``min(k, limit)`` tokens) for each (sequence, limit)
+        pair whose lookahead slots the pool can give; others get no drafts this step."""
+        batch, rows, active = [], [], []
+        for seq, limit in wanted:
+            seq.spec_token_ids = []
+            k = min(self.num_tokens, limit)
+            # room for positions up to num_tokens + k - 2 (computed is num_tokens - 1)
+            if k <= 0 or not self.block_manager.allocate_slots(seq, k):
+                continue
+            start = min(seq.num_draft_computed, seq.num_tokens - 1)
+            batch.append((seq.token_ids[start:], start, seq.block_table))
+            rows.append(sum(len(tokens) for tokens, _, _ in batch) - 1)
+            active.append((seq, k))
+        while active:
+            next_tokens = self.runner.execute(batch, rows).argmax(dim=-1).tolist()
+            for (seq, _), token in zip(active, next_tokens):
+                seq.spec_token_ids.append(token)
+                seq.num_draft_computed = seq.num_tokens + len(seq.spec_token_ids) - 1
+            active = [(seq, k) for seq, k in active if len(seq.spec_token_ids) < k]
+            batch = [([seq.spec_token_ids[-1]], seq.num_draft_computed, seq.block_table)
+                     for seq, _ in active]
+            rows = list(range(len(active)))
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
