@@ -61,8 +61,9 @@ test: model vllm
 # The e2e suite (e2e/) on a real Kubernetes v1.20 control plane on this machine (e2e/local:
 # kube-apiserver, controller-manager and scheduler built once from Debian's source package
 # and cached, which needs root for apt-get the first time; etcd; a node agent that runs pods
-# as local processes). A fresh cluster in a temp dir, always stopped; the dir (component, pod,
-# operator and router logs) is kept when the suite fails. E2E_ARGS: extra pytest arguments.
+# as local processes). Two passes on one fresh cluster (a temp dir, always stopped; kept with
+# every log when a pass fails): the operator and router as local processes, then the chart's
+# own operator and router Deployments (RBAC, flags). E2E_ARGS: extra pytest arguments.
 E2E_ARGS ?=
 e2e-local: model
 	bash e2e/local/build-kubernetes.sh
@@ -71,7 +72,9 @@ e2e-local: model
 	  if [ $$rc -eq 0 ]; then rm -rf "$$d"; else echo "e2e-local: failed or interrupted; logs kept in $$d"; fi; }; \
 	trap stop EXIT; trap 'exit 130' INT TERM; \
 	$(BIN)/python e2e/local/cluster.py up --dir "$$d" && \
-	SLUICE_E2E_LOCAL=1 KUBECONFIG="$$d/kubeconfig" $(BIN)/pytest e2e -q -p no:cacheprovider $(E2E_ARGS); \
+	SLUICE_E2E_LOCAL=1 KUBECONFIG="$$d/kubeconfig" $(BIN)/pytest e2e -q -p no:cacheprovider $(E2E_ARGS) && \
+	SLUICE_E2E_LOCAL=1 SLUICE_E2E_LOCAL_CHART=1 KUBECONFIG="$$d/kubeconfig" \
+	  $(BIN)/pytest e2e -q -p no:cacheprovider --ignore=e2e/local $(E2E_ARGS); \
 	rc=$$?; exit $$rc
 
 test-fast: model

@@ -13,6 +13,12 @@ depends on the cluster:
                                    find sluice:// models in this machine's store
                                    ($SLUICE_HOME, default ~/.cache/sluice) through a hostPath
                                    model cache (the node agent runs pods as local processes).
+    SLUICE_E2E_LOCAL=1 SLUICE_E2E_LOCAL_CHART=1
+                                   e2e/local, with the chart's own operator and router
+                                   Deployments (their pods run under the node agent with their
+                                   ServiceAccounts' RBAC, bindAddress=$(POD_IP), a hostPath
+                                   model cache); the router is reached at its Service's ready
+                                   address (e2e/local has no port-forward, but pod IPs route).
     SLUICE_E2E_CHART_INSTALLED=1   the chart is installed already (e2e/kind/run.sh): release
                                    SLUICE_E2E_RELEASE in namespace SLUICE_E2E_NAMESPACE; used
                                    as it is and left in place.
@@ -55,6 +61,9 @@ HELM_TIMEOUT_S = 300        # helm install --wait
 START_TIMEOUT_S = 90        # a local operator/router process to answer its health endpoint
 READY_TIMEOUT_S = 300       # an InferenceService to serve (model load ~10-30 s per worker here)
 SHORT_TIMEOUT_S = 60        # status reactions: conditions, garbage collection, scheduling
+LOCAL = os.environ.get("SLUICE_E2E_LOCAL") == "1"
+LOCAL_CHART = LOCAL and os.environ.get("SLUICE_E2E_LOCAL_CHART") == "1"
+PREINSTALLED = os.environ.get("SLUICE_E2E_CHART_INSTALLED") == "1"
 T = TypeVar("T")
 
 
@@ -317,7 +326,7 @@ def kube_env() -> dict[str, str]:
     if not kubeconfig:
         pytest.skip("the e2e suite needs a cluster: set KUBECONFIG (make e2e-local starts one)")
     env = dict(os.environ)
-    if os.environ.get("SLUICE_E2E_LOCAL") == "1":
+    if LOCAL:
         # kubectl's discovery cache per throwaway cluster goes with the cluster, not to ~/.kube
         env.setdefault("KUBECACHEDIR", str(Path(kubeconfig).resolve().parent / "kubectl-cache"))
     proc = subprocess.run(["kubectl", "get", "--raw", "/readyz"], capture_output=True, text=True,
@@ -331,16 +340,15 @@ def kube_env() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def namespace(kube_env: dict[str, str]):
     """A fresh namespace (deleted at the end), or the preinstalled chart's."""
-    if os.environ.get("SLUICE_E2E_CHART_INSTALLED") == "1":
+    if PREINSTALLED:
         yield os.environ.get("SLUICE_E2E_NAMESPACE", "sluice-e2e")
         return
     name = f"sluice-e2e-{uuid.uuid4().hex[:6]}"
     k = Kubectl(name, kube_env)
     k.run("create", "namespace", name, namespaced=False)
     # Kubernetes < 1.24 admits pods only once the default ServiceAccount has its token secret.
-    local = os.environ.get("SLUICE_E2E_LOCAL") == "1"
     wait_for(f"the default ServiceAccount of namespace {name}",
-             lambda: (lambda sa: sa and (sa.get("secrets") or not local))(
+             lambda: (lambda sa: sa and (sa.get("secrets") or not LOCAL))(
                  k.get("serviceaccount", "default")), SHORT_TIMEOUT_S)
     yield name
     proc = k.run("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False,
@@ -363,13 +371,16 @@ def _helm() -> str:
 @pytest.fixture(scope="session")
 def release(kube_env: dict[str, str], namespace: str):
     """The chart's release name, installed in `namespace` (helm install --wait)."""
-    if os.environ.get("SLUICE_E2E_CHART_INSTALLED") == "1":
+    if PREINSTALLED:
         yield os.environ.get("SLUICE_E2E_RELEASE", "sluice")
         return
     helm, name = _helm(), "sluice-e2e"
     argv = [helm, "install", name, str(CHART), "--namespace", namespace, "--wait",
             "--timeout", f"{HELM_TIMEOUT_S}s"]
-    if os.environ.get("SLUICE_E2E_LOCAL") == "1":
+    if LOCAL_CHART:  # pods share this machine's network: bind the pod IP; the local store
+        argv += ["--set-string", "bindAddress=$(POD_IP)", "--set", "worker.modelCache.type="
+                 f"hostPath,worker.modelCache.path={model_store()}"]
+    elif LOCAL:
         argv += ["--set", "operator.enabled=false,router.enabled=false"]
     elif os.environ.get("SLUICE_E2E_VALUES"):
         argv += ["--values", os.environ["SLUICE_E2E_VALUES"]]
@@ -393,17 +404,27 @@ def sluice(kube_env: dict[str, str], namespace: str, release: str):
     wait_for(f"CRD {CRD} to be Established",
              lambda: condition(k.get("crd", CRD, namespaced=False), "Established")
              .get("status") == "True", SHORT_TIMEOUT_S)
-    system = Sluice(k, namespace, release, local=os.environ.get("SLUICE_E2E_LOCAL") == "1")
-    if system.local:
+    system = Sluice(k, namespace, release, local=LOCAL)
+    if LOCAL and not LOCAL_CHART:
         yield from _local_processes(system, kube_env)
+        return
+    _chart_deployments(system)
+    if LOCAL:
+        _router_endpoint(system)
+        yield system
     else:
         yield from _port_forward(system)
 
 
+def model_store() -> Path:
+    """$SLUICE_HOME of this machine: where pods run by e2e/local's node agent find models."""
+    from sluice.models.store import sluice_home
+
+    return sluice_home().resolve()
+
+
 def _local_processes(system: Sluice, env: dict[str, str]):
     """`sluice operator` and `sluice router --discovery kubernetes` for the namespace."""
-    from sluice.models.store import sluice_home  # the model store of this machine's workers
-
     logs = Path(env["KUBECONFIG"]).resolve().parent / "e2e-logs"
     logs.mkdir(exist_ok=True)
     sluice_bin = str(REPO / ".venv" / "bin" / "sluice")
@@ -413,7 +434,7 @@ def _local_processes(system: Sluice, env: dict[str, str]):
             ("http_proxy", "https_proxy", "all_proxy")}  # everything here is local
     operator = LocalProcess("operator", [
         sluice_bin, "--log-level", "INFO", "operator", "--namespace", ns,
-        "--model-cache", f"hostPath:{sluice_home().resolve()}",
+        "--model-cache", f"hostPath:{model_store()}",
         "--liveness", f"http://127.0.0.1:{health}/healthz"], logs / f"operator-{ns}.log", penv)
     router = LocalProcess("router", [
         sluice_bin, "--log-level", "INFO", "router", "--discovery", "kubernetes",
@@ -447,8 +468,8 @@ def _local_processes(system: Sluice, env: dict[str, str]):
             proc.stop()
 
 
-def _port_forward(system: Sluice):
-    """The chart's operator and router are ready; forward a local port to the router."""
+def _chart_deployments(system: Sluice) -> None:
+    """Wait for the chart's operator and router Deployments; restart_operator restarts it."""
     k = system.kubectl
     selector = system.namespaced_release_selector
     for component in ("operator", "router"):
@@ -467,9 +488,39 @@ def _port_forward(system: Sluice):
               timeout=READY_TIMEOUT_S + 30)
 
     system.restart_operator = restart_operator
-    services = k.get("services", selector=f"{selector},app.kubernetes.io/component=router")
-    assert services, f"the chart installed no router Service\n{system.state()}"
-    service = services[0]
+
+
+def _router_service(system: Sluice) -> dict:
+    selector = f"{system.namespaced_release_selector},app.kubernetes.io/component=router"
+    services = system.kubectl.get("services", selector=selector)
+    assert services, f"the chart installed no router Service ({selector})\n{system.state()}"
+    return services[0]
+
+
+def _router_endpoint(system: Sluice) -> None:
+    """e2e/local has no kube-proxy and no port-forward, but pod IPs route: use the router
+    Service's ready address."""
+    name = _router_service(system)["metadata"]["name"]
+
+    def address() -> str | None:
+        for subset in (system.kubectl.get("endpoints", name) or {}).get("subsets") or ():
+            port = next((p["port"] for p in subset.get("ports") or () if p.get("name") == "http"),
+                        None)
+            for a in subset.get("addresses") or ():
+                if port:
+                    return f"http://{a['ip']}:{port}"
+        return None
+
+    system.router_url = wait_for(f"a ready address of Service {name}", address,
+                                 SHORT_TIMEOUT_S, system.state)
+    wait_for("the router's /livez", lambda: http_ok(f"{system.router_url}/livez"),
+             SHORT_TIMEOUT_S, system.state)
+
+
+def _port_forward(system: Sluice):
+    """Forward a local port to the router Service (kubectl port-forward)."""
+    k = system.kubectl
+    service = _router_service(system)
     port = service["spec"]["ports"][0]["port"]
     argv = ["kubectl", "-n", system.namespace, "port-forward", "--address", "127.0.0.1",
             f"service/{service['metadata']['name']}", f":{port}"]
