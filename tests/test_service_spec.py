@@ -50,7 +50,7 @@ def test_minimal_manifest_gets_defaults():
     assert spec.replicas == 1 and spec.min_replicas == 1 and spec.max_replicas is None
     assert spec.engine.name == "native" and spec.engine.tensor_parallel_size == 1
     assert spec.engine.native.kv_cache_gib is None  # unset: the engine's own default
-    assert spec.routing.strategy == "least-load"
+    assert spec.routing.strategy == "slo" and spec.routing.load_factor == 1.25
     assert spec.autoscaling.enabled is False
     assert spec.slo.percentile == 95
     assert spec.cascade is None

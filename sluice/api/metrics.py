@@ -19,6 +19,8 @@ SPEC_ACCEPTANCE_RATE = "vllm:spec_decode_draft_acceptance_rate"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"
+# no vLLM equivalent: prompt tokens of requests that have no first token yet (load report)
+QUEUED_PREFILL_TOKENS = "sluice:num_queued_prefill_tokens"
 
 # router
 ROUTER_REQUESTS = "sluice_router_requests_total"
@@ -26,6 +28,12 @@ ROUTER_TTFT = "sluice_router_time_to_first_token_seconds"
 ROUTER_ITL = "sluice_router_inter_token_latency_seconds"
 ROUTER_E2E = "sluice_router_e2e_request_latency_seconds"
 ROUTER_IN_FLIGHT = "sluice_router_in_flight_requests"
+ROUTER_QUEUE_LENGTH = "sluice_router_queue_length"
+ROUTER_REJECTED = "sluice_router_rejected_requests_total"
+ROUTER_QUEUE_WAIT = "sluice_router_queue_wait_seconds"
+ROUTER_RETRIES = "sluice_router_retries_total"
+ROUTER_TTFT_PREDICTION_MAPE = "sluice_router_ttft_prediction_mape"
+ROUTER_TTFT_PREDICTION_ERROR = "sluice_router_ttft_prediction_error_seconds"
 
 # histogram buckets, seconds (vLLM's TTFT/ITL buckets, trimmed)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

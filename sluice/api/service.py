@@ -33,7 +33,7 @@ SOURCE_SCHEMES = ("sluice", "file", "pvc")
 # the API server rejects a bad source at apply time; tests/test_crd.py checks they agree).
 SOURCE_PATTERN = r"^(sluice://.+|file:///.*|pvc:///*[^/]+/.*[^/]/*)$"
 
-RoutingStrategy = Literal["least-load"]
+RoutingStrategy = Literal["slo", "least-load", "prefix", "round-robin"]
 EngineName = Literal["native", "vllm"]
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -182,8 +182,13 @@ class AutoscalingSpec(_Spec):
 class RoutingSpec(_Spec):
     """How the router spreads requests over replicas."""
 
-    strategy: RoutingStrategy = Field("least-load", description="`least-load`: fewest "
-                                      "in-flight requests, ties rotated.")
+    strategy: RoutingStrategy = Field(
+        "slo", description="`slo`: the replica predicted to meet the TTFT objective "
+        "(`slo.ttftMs`), packing requests that share a prompt prefix where it is cached; "
+        "`least-load`: fewest in-flight requests; `prefix`: consistent hashing with bounded "
+        "load on the prompt's first characters; `round-robin`: each replica in turn.")
+    load_factor: float = Field(1.25, ge=1.0, description="`prefix`: no replica takes more "
+                               "than this times the average in-flight load.")
 
 
 class CascadeSpec(_Spec):

@@ -2,10 +2,11 @@
 
 Discovery is static (``--worker URL``) or comes from Kubernetes (``sluice.router.discovery``
 calls ``EndpointSet.sync`` whenever the ready addresses of the worker Services change). A
-background task polls each listed worker's ``/health`` and ``/v1/models`` about once a
-second; routing only reads what the poll last saw and never waits on it. In-flight counts
-are kept by the router itself through ``Lease`` objects, each released exactly once from the
-proxy's ``finally``.
+background task polls each listed worker's ``/health``, ``/v1/models`` and ``/metrics``
+about once a second; routing only reads what the poll last saw and never waits on it.
+Workers also report their load in ``x-sluice-*`` headers on every generation response
+(``WorkerLoad.from_headers``). In-flight and queued-prefill counts are kept by the router
+itself through ``Lease`` objects, each released exactly once from the proxy's ``finally``.
 
 An endpoint that discovery drops is unlisted at once: no new requests, no more polls. It is
 kept (so its in-flight count stays right if it comes back) until its last request finishes,
@@ -16,16 +17,79 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from sluice.api import metrics as names
+from sluice.router.predictor import LatencyModel
+
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_FACTOR = 8  # an unreachable worker is polled at most every 8 poll intervals
+REPORT_FRESH_S = 3.0  # a worker's load report older than this is ignored
+
+# the load headers every generation response carries (sluice.worker.generation)
+HEADER_RUNNING = "x-sluice-num-running"
+HEADER_WAITING = "x-sluice-num-waiting"
+HEADER_KV_USAGE = "x-sluice-kv-cache-usage"
+HEADER_QUEUED_PREFILL = "x-sluice-queued-prefill-tokens"
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's own report of its load (headers or a /metrics scrape).
+
+    Attributes:
+        running: requests in its running batch.
+        waiting: requests waiting for admission there.
+        kv_usage: used fraction of its KV-cache blocks, 0..1.
+        queued_prefill_tokens: prompt tokens of its requests that have no first token yet.
+        at: ``time.monotonic()`` when the router received the report.
+    """
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    queued_prefill_tokens: float = 0.0
+    at: float = 0.0
+
+    @classmethod
+    def from_headers(cls, headers: Any, at: float) -> WorkerLoad | None:
+        """The report in a response's headers, or None when it has none (or a bad one)."""
+        try:
+            running = headers.get(HEADER_RUNNING)
+            if running is None:
+                return None
+            return cls(float(running), float(headers.get(HEADER_WAITING, 0)),
+                       float(headers.get(HEADER_KV_USAGE, 0)),
+                       float(headers.get(HEADER_QUEUED_PREFILL, 0)), at)
+        except (TypeError, ValueError):
+            return None
+
+    @classmethod
+    def from_metrics(cls, text: str, at: float) -> WorkerLoad | None:
+        """The report in a Prometheus text scrape (vLLM names), or None without them."""
+        values: dict[str, float] = {}
+        for name in (names.NUM_RUNNING, names.NUM_WAITING, names.KV_CACHE_USAGE,
+                     names.QUEUED_PREFILL_TOKENS):
+            found = _SAMPLE.get(name) or _SAMPLE.setdefault(name, re.compile(
+                rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", re.M))
+            total = [float(v) for v in found.findall(text)]
+            if total:
+                values[name] = sum(total)
+        if names.NUM_RUNNING not in values:
+            return None
+        return cls(values[names.NUM_RUNNING], values.get(names.NUM_WAITING, 0.0),
+                   values.get(names.KV_CACHE_USAGE, 0.0),
+                   values.get(names.QUEUED_PREFILL_TOKENS, 0.0), at)
+
+
+_SAMPLE: dict[str, re.Pattern[str]] = {}
 
 
 @dataclass
@@ -40,8 +104,12 @@ class Endpoint:
         models: served model id → the worker's ``/v1/models`` entry (last good answer).
         models_known: ``/v1/models`` has answered at least once.
         in_flight: requests the router has sent here that have not finished.
+        prefilling: of those, requests that have not had their first token yet.
+        prefill_tokens: estimated uncached prompt tokens of the ``prefilling`` requests.
         failures: consecutive polls that could not reach the worker.
         next_poll: ``time.monotonic()`` of the next poll (backs off while unreachable).
+        reported: the worker's last load report (headers or scrape), if any.
+        latency: the online TTFT/ITL models of this endpoint (``sluice.router.predictor``).
     """
 
     url: str
@@ -50,26 +118,71 @@ class Endpoint:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     models_known: bool = False
     in_flight: int = 0
+    prefilling: int = 0
+    prefill_tokens: float = 0.0
     failures: int = 0
     next_poll: float = 0.0
+    reported: WorkerLoad | None = None
+    latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
 
     def summary(self) -> dict[str, Any]:
         return {"url": self.url, "ready": self.ready and self.listed, "listed": self.listed,
-                "models": sorted(self.models), "in_flight": self.in_flight}
+                "models": sorted(self.models), "in_flight": self.in_flight,
+                "prefilling": self.prefilling}
+
+    def report(self, now: float | None = None) -> WorkerLoad | None:
+        """The worker's load report if it is fresh (younger than ``REPORT_FRESH_S``)."""
+        now = time.monotonic() if now is None else now
+        if self.reported is None or now - self.reported.at > REPORT_FRESH_S:
+            return None
+        return self.reported
+
+    def queued_prefill_tokens(self, now: float | None = None) -> float:
+        """Prefill work ahead of a new request: the router's own count, or the worker's
+        fresh report when that is larger (traffic from elsewhere)."""
+        report = self.report(now)
+        return max(self.prefill_tokens, report.queued_prefill_tokens if report else 0.0)
+
+    def running(self, now: float | None = None) -> float:
+        """Requests decoding there: the router's count, or a larger fresh report."""
+        report = self.report(now)
+        return max(self.in_flight - self.prefilling, report.running if report else 0.0)
+
+    def kv_usage(self, now: float | None = None) -> float:
+        report = self.report(now)
+        return report.kv_usage if report else 0.0
 
 
 class Lease:
-    """Counts one request against an endpoint until ``release`` (idempotent) is called."""
+    """Counts one request against an endpoint until ``release`` (idempotent) is called.
 
-    def __init__(self, endpoint: Endpoint):
+    While the request has no first token it also counts as prefilling, with its
+    ``prefill_tokens``; ``first_token`` (or ``release``) ends that, once.
+    """
+
+    def __init__(self, endpoint: Endpoint, prefill_tokens: float = 0.0):
         self.endpoint = endpoint
+        self.prefill_tokens = prefill_tokens
         endpoint.in_flight += 1
+        endpoint.prefilling += 1
+        endpoint.prefill_tokens += prefill_tokens
         self._held = True
+        self._prefilling = True
+
+    def first_token(self) -> bool:
+        """The request's first token arrived; True if this call ended its prefill."""
+        if not self._prefilling:
+            return False
+        self._prefilling = False
+        self.endpoint.prefilling -= 1
+        self.endpoint.prefill_tokens = max(0.0, self.endpoint.prefill_tokens - self.prefill_tokens)
+        return True
 
     def release(self) -> bool:
         """Return True if this call released the lease, False if it was already released."""
         if not self._held:
             return False
+        self.first_token()
         self._held = False
         self.endpoint.in_flight -= 1
         return True
@@ -96,6 +209,7 @@ class EndpointSet:
         self._wake: asyncio.Event | None = None  # set by sync: poll new endpoints now
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
+        self.on_polled: Callable[[], None] = lambda: None  # e.g. re-check admission queues
 
     def sync(self, urls: Iterable[str], declared_models: Iterable[str]) -> None:
         """Make ``urls`` the listed endpoints (dynamic discovery).
@@ -187,6 +301,7 @@ class EndpointSet:
         now = time.monotonic()
         due = [e for e in self.listed() if e.next_poll <= now]
         await asyncio.gather(*(self._poll_one(client, e) for e in due))
+        self.on_polled()
 
     async def poll_forever(self, client: httpx.AsyncClient) -> None:
         """Run ``poll`` every ``poll_interval`` seconds, and at once when ``sync`` adds an
@@ -207,6 +322,7 @@ class EndpointSet:
         try:
             health = await client.get(f"{endpoint.url}/health", timeout=self.poll_timeout)
             models = await client.get(f"{endpoint.url}/v1/models", timeout=self.poll_timeout)
+            scrape = await client.get(f"{endpoint.url}/metrics", timeout=self.poll_timeout)
         except httpx.HTTPError as exc:
             endpoint.failures += 1
             backoff = min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
@@ -226,6 +342,10 @@ class EndpointSet:
                 endpoint.models_known = True
             except (ValueError, KeyError, TypeError):
                 logger.warning("worker %s sent a malformed /v1/models answer", endpoint.url)
+        if scrape.status_code == 200:
+            report = WorkerLoad.from_metrics(scrape.text, time.monotonic())
+            if report is not None:
+                endpoint.reported = report
         ready = health.status_code == 200
         if ready != endpoint.ready:
             logger.info("worker %s is %s (models: %s)", endpoint.url,

@@ -337,7 +337,7 @@ async def generate_response(request: Request, metrics: WorkerMetrics, engine: En
     """
     _engine_check(engine, choices)
     outputs = _outputs(metrics, engine, choices, shaper.response_id, arrival)
-    headers = _load_headers(engine)
+    headers = _load_headers(engine, metrics)
     if stream:
         return _ClosingStreamingResponse(_sse(outputs, shaper, include_usage),
                                          media_type="text/event-stream",
@@ -350,15 +350,17 @@ async def generate_response(request: Request, metrics: WorkerMetrics, engine: En
     except Exception as exc:  # noqa: BLE001 - an engine failure, not the client's fault
         logger.exception("generation failed for %s", shaper.response_id)
         raise oa.APIError(500, f"generation failed: {exc}", code="engine_error") from None
-    return JSONResponse(body, headers=headers)
+    return JSONResponse(body, headers=_load_headers(engine, metrics))  # fresh: at the end
 
 
-def _load_headers(engine: Engine) -> dict[str, str]:
-    """Cheap load report for the router on every generation response."""
+def _load_headers(engine: Engine, metrics: WorkerMetrics) -> dict[str, str]:
+    """Cheap load report for the router on every generation response (names in
+    sluice.router.endpoints)."""
     s = engine.stats()
     return {"x-sluice-num-running": str(s.num_running),
             "x-sluice-num-waiting": str(s.num_waiting),
-            "x-sluice-kv-cache-usage": f"{s.kv_cache_usage:.4f}"}
+            "x-sluice-kv-cache-usage": f"{s.kv_cache_usage:.4f}",
+            "x-sluice-queued-prefill-tokens": str(max(0, metrics.queued_prefill_tokens))}
 
 
 __all__ = ["Choice", "ClientGone", "Engine", "chat_choices", "chat_prompt", "completion_choices",

@@ -51,7 +51,8 @@ class WorkerMetrics:
                                          label, registry=reg).labels(model_name)
         self.success = Counter(names.REQUEST_SUCCESS, "Engine requests finished, by reason.",
                                ["model_name", "finished_reason"], registry=reg)
-        reg.register(_LoadCollector(model_name, stats))
+        self.queued_prefill_tokens = 0  # prompt tokens of tracked requests with no token yet
+        reg.register(_LoadCollector(model_name, stats, lambda: self.queued_prefill_tokens))
 
     def track(self, arrival: float, num_prompt_tokens: int) -> RequestTimer:
         """Start timing one engine request and count its prompt tokens.
@@ -65,7 +66,7 @@ class WorkerMetrics:
             The request's timer; feed it every delta, and close it when the request ends.
         """
         self.prompt_tokens.inc(num_prompt_tokens)
-        return RequestTimer(self, arrival)
+        return RequestTimer(self, arrival, num_prompt_tokens)
 
     def scrape(self) -> bytes:
         """Every metric in the Prometheus text format (``CONTENT_TYPE_LATEST``)."""
@@ -76,13 +77,17 @@ class _LoadCollector:
     """Load gauges and prefix-cache counters read from the engine's stats at scrape time
     (0 before loading)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], Any]):
+    def __init__(self, model_name: str, stats: Callable[[], Any],
+                 queued_prefill_tokens: Callable[[], int] = lambda: 0):
         self.model_name = model_name
         self.stats = stats
+        self.queued_prefill_tokens = queued_prefill_tokens
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats()
         for name, doc, value in (
+            (names.QUEUED_PREFILL_TOKENS, "Prompt tokens of requests with no output token yet.",
+             self.queued_prefill_tokens()),
             (names.NUM_RUNNING, "Requests in the running batch.", s.num_running if s else 0),
             (names.NUM_WAITING, "Requests waiting for admission.", s.num_waiting if s else 0),
             (names.KV_CACHE_USAGE, "Used fraction of the KV-cache blocks, 0..1.",
@@ -116,11 +121,17 @@ class RequestTimer:
     All times are seconds of ``time.monotonic()``.
     """
 
-    def __init__(self, metrics: WorkerMetrics, arrival: float):
+    def __init__(self, metrics: WorkerMetrics, arrival: float, num_prompt_tokens: int = 0):
         self.m = metrics
         self.arrival = arrival
         self.last_token_at: float | None = None
         self.finished = False
+        self.prefill_tokens = num_prompt_tokens  # counted in m.queued_prefill_tokens until
+        metrics.queued_prefill_tokens += num_prompt_tokens  # the first token (or close)
+
+    def _prefilled(self) -> None:
+        self.m.queued_prefill_tokens -= self.prefill_tokens
+        self.prefill_tokens = 0
 
     def observe(self, out: RequestOutput) -> None:
         """Record one engine delta: its new tokens (TTFT or ITL) and, if final, E2E/outcome."""
@@ -128,6 +139,7 @@ class RequestTimer:
         k = len(out.new_token_ids)
         if k:
             if self.last_token_at is None:
+                self._prefilled()
                 self.m.ttft.observe(now - self.arrival)
             else:
                 gap = (now - self.last_token_at) / k
@@ -142,6 +154,7 @@ class RequestTimer:
 
     def close(self) -> None:
         """End timing; idempotent. Counts the request as "abort" unless it finished."""
+        self._prefilled()
         if not self.finished:
             self.finished = True
             self.m.success.labels(self.m.model_name, "abort").inc()

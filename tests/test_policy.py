@@ -1,0 +1,297 @@
+"""Routing policies, the prompt shape, the prefix index and the latency predictor: pure
+functions of observed state, tested without servers."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import tracemalloc
+from collections import Counter
+from typing import get_args
+
+import pytest
+
+from sluice.api.service import RoutingSpec, RoutingStrategy
+from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
+from sluice.router.policy import (DEFAULT_POLICY, POLICIES, HashRing, LeastLoadPolicy,
+                                  PolicyContext, PrefixPolicy, RoundRobinPolicy, RoutingRequest,
+                                  SLOPolicy, chwbl, least_load, make_policy, predict_all,
+                                  round_robin, slo_pick)
+from sluice.router.predictor import ErrorTracker, RLSModel, ttft_features
+from sluice.router.prefix import PrefixIndex, prompt_text, shape
+
+MODEL = "m"
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def endpoints(n: int) -> list[Endpoint]:
+    return [Endpoint(f"http://w{i}") for i in range(n)]
+
+
+# ------------------------------------------------------------------ registry and spec
+
+def test_registry_default_and_spec_agree():
+    assert set(POLICIES) == {"least-load", "round-robin", "prefix", "slo"}
+    assert DEFAULT_POLICY == "slo" and RoutingSpec().strategy == "slo"
+    assert set(get_args(RoutingStrategy)) == set(POLICIES)
+    for name, cls in POLICIES.items():
+        assert isinstance(make_policy(name), cls)
+    with pytest.raises(ValueError, match="round-robin"):
+        make_policy("random")
+
+
+# ------------------------------------------------------------------ least-load, round-robin
+
+def test_least_load_ties_by_queued_tokens_then_rotation():
+    assert least_load([(1, 500.0), (1, 20.0), (2, 0.0)]) == 1
+    assert least_load([(0, 0.0), (0, 0.0), (0, 0.0)], start=2) == 2
+
+
+def test_least_load_policy_reads_in_flight_then_queued_prefill():
+    policy, eps = LeastLoadPolicy(), endpoints(3)
+    Lease(eps[0], prefill_tokens=900)
+    Lease(eps[1], prefill_tokens=10)
+    eps[2].in_flight = 5
+    assert run(policy.choose(eps, RoutingRequest(MODEL))).url == "http://w1"
+
+
+def test_least_load_idle_fleet_rotates():
+    policy, eps = LeastLoadPolicy(), endpoints(3)
+    assert [run(policy.choose(eps, RoutingRequest(MODEL))).url for _ in range(6)] == \
+        [e.url for e in eps] * 2
+
+
+def test_round_robin():
+    assert [round_robin(3, t) for t in range(5)] == [0, 1, 2, 0, 1]
+    policy, eps = RoundRobinPolicy(), endpoints(2)
+    eps[0].in_flight = 100  # ignores load: it is the baseline
+    assert [run(policy.choose(eps, RoutingRequest(MODEL))).url for _ in range(4)] == \
+        ["http://w0", "http://w1"] * 2
+
+
+# ------------------------------------------------------------------ prompt shape
+
+def test_prompt_text_of_each_request_form():
+    assert prompt_text({"prompt": "hello"}) == ("hello", None)
+    assert prompt_text({"prompt": ["first", "second"]}) == ("first", None)
+    assert prompt_text({"prompt": [1, 2, 3]}) == ("1 2 3", 3.0)
+    assert prompt_text({"prompt": [[7, 8], [9]]}) == ("7 8", 2.0)
+    text, tokens = prompt_text({"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]}]})
+    assert text == "system\nbe brief\nuser\nhi\n" and tokens == pytest.approx(len(text) / 4 + 8)
+    for junk in ({}, {"prompt": 5}, {"messages": "x"}, {"prompt": []}):
+        assert prompt_text(junk)[0] == ""
+
+
+def test_shape_key_blocks_and_tokens():
+    system = "You are a helpful assistant for ACME. " * 10  # 380 characters
+    a = shape({"prompt": system + "What is 2+2?"})
+    b = shape({"prompt": system + "Write a poem about the sea, please, at length." * 3})
+    other = shape({"prompt": "Something else entirely. " * 20})
+    assert a.key == b.key != other.key  # the key covers the first 256 characters only
+    assert a.blocks[:5] == b.blocks[:5] and a.blocks[0] != other.blocks[0]
+    assert len(a.blocks) == len(system + "What is 2+2?") // 64
+    assert a.tokens == round(len(system + "What is 2+2?") / 4)
+    ids = shape({"prompt": list(range(100))})
+    assert ids.tokens == 100 and ids.block_tokens == pytest.approx(64 * 100 / len(
+        " ".join(map(str, range(100)))))
+    assert shape({"prompt": ""}).key == 0 and shape({"prompt": ""}).tokens == 1
+    assert len(shape({"prompt": "x" * 100_000}).blocks) == 128  # bounded work per request
+
+
+# ------------------------------------------------------------------ prefix index
+
+def test_prefix_index_matches_longest_recorded_prefix_per_endpoint():
+    index = PrefixIndex()
+    index.record([1, 2, 3, 4], "a")
+    index.record([1, 2, 9], "b")
+    assert index.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert index.match([1, 2, 9]) == {"a": 2, "b": 3}
+    assert index.match([7, 1]) == {}
+    index.forget("a")
+    assert index.match([1, 2, 3]) == {"b": 2}
+
+
+def test_prefix_index_is_bounded_lru():
+    index = PrefixIndex(capacity=4, max_endpoints=2)
+    index.record([1, 2], "a")
+    index.record([3, 4], "a")
+    index.record([1], "a")  # refreshes block 1
+    index.record([5, 6], "a")  # evicts 2 and 3, the least recently recorded
+    assert len(index) == 4 and index.match([1]) == {"a": 1} and index.match([3]) == {}
+    for url in "bcd":
+        index.record([1], url)
+    assert index.match([1]) == {"c": 1, "d": 1}  # at most 2 endpoints per block, newest kept
+
+
+def test_prefix_index_memory_stays_flat():
+    """A long stream of distinct prompts (the worst case) does not grow the index."""
+    index = PrefixIndex(capacity=2_000)
+    rng = random.Random(0)
+
+    def burst(n: int) -> None:
+        for _ in range(n):
+            blocks = [rng.getrandbits(64) for _ in range(8)]
+            index.record(blocks, f"http://w{rng.randrange(4)}")
+            index.match(blocks)
+
+    tracemalloc.start()
+    burst(2_000)
+    base = tracemalloc.take_snapshot()
+    burst(20_000)
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(base, "filename"))
+    tracemalloc.stop()
+    assert len(index) == 2_000
+    assert grown < 50_000, grown  # 160k blocks went through; the index holds 2k
+
+
+# ------------------------------------------------------------------ CHWBL
+
+def test_hash_ring_moves_few_keys_when_a_member_leaves():
+    four, three = HashRing(["a", "b", "c", "d"]), HashRing(["a", "b", "c"])
+    keys = [random.Random(i).getrandbits(64) for i in range(2000)]
+    moved = sum(four.walk(k)[0] != three.walk(k)[0] for k in keys if four.walk(k)[0] != "d")
+    assert moved == 0  # keys of the remaining members stay put
+    spread = Counter(four.walk(k)[0] for k in keys)
+    assert min(spread.values()) > 2000 / 4 * 0.6, spread  # virtual nodes spread keys
+
+
+def test_chwbl_sticks_to_the_key_until_the_bound():
+    ring = HashRing(["a", "b", "c", "d"])
+    key = 12345
+    home = ring.walk(key)[0]
+    assert chwbl(ring, key, {}, 1.25) == home
+    # 8 in flight over 4: capacity ⌈1.25 · 9 / 4⌉ = 3; home holds 2 → still home
+    loads = {m: 2 for m in "abcd"}
+    assert chwbl(ring, key, loads, 1.25) == home
+    loads[home] = 3  # at capacity ⌈1.25 · 10 / 4⌉ = 4? no: 3 < 4 → still home
+    assert chwbl(ring, key, loads, 1.25) == home
+    loads[home] = 5  # 11 in flight: capacity ⌈1.25 · 12 / 4⌉ = 4 → the next on the ring
+    assert chwbl(ring, key, loads, 1.25) == ring.walk(key)[1]
+
+
+def test_prefix_policy_bounds_load_under_a_single_hot_prefix():
+    """Every request shares one prefix: CHWBL keeps each endpoint ≤ ⌈c · m / n⌉."""
+    policy, eps = PrefixPolicy(PolicyContext(load_factor=1.25)), endpoints(4)
+    request = RoutingRequest(MODEL, shape=shape({"prompt": "tenant A system prompt " * 20}))
+    leases = [Lease(run(policy.choose(eps, request))) for _ in range(40)]
+    assert max(e.in_flight for e in eps) <= math.ceil(1.25 * 40 / 4)
+    for lease in leases:
+        lease.release()
+    # idle again: the same prefix goes back to its home endpoint every time
+    assert len({run(policy.choose(eps, request)).url for _ in range(5)}) == 1
+
+
+def test_prefix_policy_groups_land_on_distinct_homes_and_are_stable():
+    policy, eps = PrefixPolicy(), endpoints(4)
+    homes = {}
+    for g in range(16):
+        req = RoutingRequest(MODEL, shape=shape({"prompt": f"tenant {g} " * 40 + "question"}))
+        homes[g] = run(policy.choose(eps, req)).url
+        assert run(policy.choose(eps, req)).url == homes[g]
+    assert len(set(homes.values())) >= 3
+
+
+# ------------------------------------------------------------------ predictor
+
+def test_rls_learns_a_linear_law_and_keeps_slopes_non_negative():
+    rng = random.Random(1)
+    model = RLSModel((0.0, 0.0, 0.0, 0.0, 0.0))
+    truth = (0.02, 0.8, 0.005, 0.6, 0.0)
+    for _ in range(400):
+        x = ttft_features(rng.uniform(0, 4000), rng.randrange(0, 32), rng.uniform(0, 2000),
+                          rng.random())
+        model.update(x, sum(a * b for a, b in zip(truth, x)) * rng.uniform(0.95, 1.05))
+    x = ttft_features(2000, 8, 500, 0.5)
+    assert model.predict(x) == pytest.approx(sum(a * b for a, b in zip(truth, x)), rel=0.1)
+    assert all(w >= 0 for w in model.w)
+    for _ in range(50):  # adversarial data: more load, faster answers
+        model.update(ttft_features(4000, 30, 2000, 1.0), 0.0)
+    assert all(w >= 0 for w in model.w) and model.predict(x) >= 0
+
+
+def test_rls_covariance_stays_bounded_without_excitation():
+    model = RLSModel((0.1, 0.1), forgetting=0.9, max_trace=100.0)
+    for _ in range(5000):
+        model.update((1.0, 0.0), 0.1)  # the second feature never moves
+    assert sum(model.p[i][i] for i in range(2)) <= 100.0 + 1e-9
+    assert model.predict((1.0, 0.0)) == pytest.approx(0.1, rel=1e-3)
+
+
+def test_rls_ignores_non_finite_observations():
+    model = RLSModel((0.1, 0.1))
+    model.update((1.0, math.nan), 1.0)
+    model.update((1.0, 1.0), math.inf)
+    assert model.updates == 0 and model.w == [0.1, 0.1]
+
+
+def test_error_tracker_mape_over_a_window():
+    tracker = ErrorTracker(window=3)
+    assert tracker.mape == 0
+    for predicted, observed in ((1.0, 1.0), (1.5, 1.0), (0.5, 1.0)):
+        tracker.observe(predicted, observed)
+    assert tracker.mape == pytest.approx((0 + 0.5 + 0.5) / 3)
+    tracker.observe(2.0, 1.0)  # the first (0 error) leaves the window
+    assert tracker.mape == pytest.approx((0.5 + 0.5 + 1.0) / 3) and len(tracker) == 3
+
+
+# ------------------------------------------------------------------ slo
+
+def test_slo_pick_packs_on_cached_prefix_while_the_slo_holds():
+    # w0 is busier but holds the prefix and still meets the 1 s budget: packed there
+    assert slo_pick([0.8, 0.2, 0.3], [6, 0, 0], budget_s=1.0) == 0
+    # w0 would miss the budget: most headroom among the feasible
+    assert slo_pick([1.2, 0.4, 0.3], [6, 0, 0], budget_s=1.0) == 2
+    # none feasible: lowest prediction
+    assert slo_pick([3.0, 2.0, 2.5], [6, 0, 0], budget_s=1.0) == 1
+    # no objective: everything is feasible
+    assert slo_pick([5.0, 1.0], [2, 0], budget_s=math.inf) == 0
+    # ITL objective: exclude the replica with too many decodes, unless nothing is left
+    assert slo_pick([0.1, 0.2], [0, 0], 1.0, predicted_itl=[0.09, 0.03], itl_slo_s=0.05) == 1
+    assert slo_pick([0.1, 0.2], [0, 0], 1.0, predicted_itl=[0.09, 0.08], itl_slo_s=0.05) == 0
+    # exact ties rotate
+    assert [slo_pick([0.1, 0.1, 0.1], [0, 0, 0], 1.0, start=s) for s in range(3)] == [0, 1, 2]
+
+
+def test_slo_predictions_use_queued_prefill_running_and_cached_prefix():
+    eps = endpoints(2)
+    index = PrefixIndex()
+    system = "shared system prompt. " * 40
+    request = RoutingRequest(MODEL, shape=shape({"prompt": system + "q1"}))
+    index.record(request.shape.blocks, eps[0].url)
+    p = predict_all(eps, request, index)
+    assert p[0].cached_blocks == len(request.shape.blocks) and p[1].cached_blocks == 0
+    assert p[0].ttft_s < p[1].ttft_s  # fewer uncached tokens
+    Lease(eps[0], prefill_tokens=5_000)  # a long prefill queued ahead on w0
+    p = predict_all(eps, request, index)
+    assert p[0].ttft_s > p[1].ttft_s
+    eps[1].reported = WorkerLoad(running=3, queued_prefill_tokens=9_000, at=1e12)  # fresh
+    assert predict_all(eps, request, index, now=1e12)[1].features[1] == pytest.approx(9.0)
+    assert predict_all(eps, request, index, now=1e12 + 60)[1].features[1] == 0  # stale
+
+
+def test_slo_policy_follows_the_fitted_models():
+    """w1 is learnt to be ten times slower per token: a busier w0 still answers sooner."""
+    eps = endpoints(2)
+    policy = SLOPolicy()
+    rng = random.Random(3)
+    for _ in range(200):
+        q, u = rng.uniform(0, 4000), rng.uniform(50, 500)
+        for ep, per_k in ((eps[0], 0.1), (eps[1], 1.0)):
+            x = ttft_features(q, 0, u, 0)
+            ep.latency.ttft.update(x, 0.01 + per_k * (q + u) / 1000)
+    Lease(eps[0], prefill_tokens=500)  # w0: 0.01 + 0.1 · 0.6 ≈ 0.07 s; idle w1: ≈ 0.11 s
+    request = RoutingRequest(MODEL, shape=shape({"prompt": "x" * 400}), deadline=None)
+    assert run(policy.choose(eps, request)).url == "http://w0"  # least-load would pick w1
+    Lease(eps[0], prefill_tokens=2_500)  # w0: ≈ 0.32 s
+    assert run(policy.choose(eps, request)).url == "http://w1"
+
+
+def test_budget_from_deadline():
+    assert RoutingRequest(MODEL).budget_s(5.0) == math.inf
+    assert RoutingRequest(MODEL, deadline=10.0).budget_s(9.5) == 0.5
