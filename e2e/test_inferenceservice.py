@@ -127,13 +127,16 @@ def test_schema_rejects_invalid_spec(sluice: Sluice, spec: dict, field: str):
     assert sluice.isvc("rejected") is None
 
 
-@pytest.mark.parametrize("name, spec, words", [
+@pytest.mark.parametrize("name, spec, words, fix", [
     ("unknown-model", {"model": {"name": "nope", "source": "sluice://NoSuchModel"}},
-     ["NoSuchModel"]),
-    ("min-over-max", {"minReplicas": 3, "maxReplicas": 2}, ["minReplicas", "maxReplicas"]),
-])
-def test_invalid_spec_the_schema_cannot_catch_is_a_condition(sluice: Sluice, name: str,
-                                                              spec: dict, words: list[str]):
+     ["NoSuchModel"], {"model": {"name": "nope", "source": "sluice://SmolLM2-135M-Instruct"}}),
+    ("min-over-max", {"minReplicas": 3, "maxReplicas": 2}, ["minReplicas", "maxReplicas"],
+     {"maxReplicas": 4}),
+], ids=["unknown-model", "min-over-max"])
+def test_invalid_spec_the_schema_cannot_catch_is_a_condition(
+        sluice: Sluice, name: str, spec: dict, words: list[str], fix: dict):
+    """An InvalidSpec condition, nothing created; fixing the spec recovers (with replicas: 0,
+    so no model loads)."""
     body = manifest(name, f"{name}-model")
     body["spec"].update(spec)
     sluice.kubectl.apply(body)
@@ -151,6 +154,44 @@ def test_invalid_spec_the_schema_cannot_catch_is_a_condition(sluice: Sluice, nam
         # Nothing is created for a spec that cannot be served.
         assert sluice.kubectl.get("deployment", f"{name}-worker") is None
         assert not sluice.pods(f"app.kubernetes.io/instance={name}")
+
+        sluice.kubectl.run("patch", CRD, name, "--type=merge", "-p",
+                           json.dumps({"spec": {**fix, "replicas": 0}}))
+        isvc = wait_for(f"{name}: fixed, Ready=False with reason ScaledToZero",
+                        lambda: (lambda i: i if condition(i, "Ready").get("reason") ==
+                                 "ScaledToZero" else None)(sluice.isvc(name)),
+                        SHORT_TIMEOUT_S, lambda: sluice.state((name,)))
+        assert condition(isvc, "Degraded")["status"] == "False", condition(isvc, "Degraded")
+        assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
+        deployment = sluice.kubectl.get("deployment", f"{name}-worker")
+        assert deployment and deployment["spec"]["replicas"] == 0
+    finally:
+        delete_isvc(sluice, name)
+
+
+def test_deleted_children_are_put_back(sluice: Sluice):
+    """Someone deletes the worker Deployment and Service: the operator recreates them (an
+    InferenceService with replicas: 0, so no model loads)."""
+    name = "children"
+    sluice.kubectl.apply(manifest(name, f"{name}-model", replicas=0))
+    try:
+        def children() -> dict | None:
+            found = {kind: sluice.kubectl.get(kind, f"{name}-worker")
+                     for kind in ("deployment", "service")}
+            return found if all(found.values()) else None
+
+        before = wait_for(f"{name}: its Deployment and Service", children, SHORT_TIMEOUT_S,
+                          lambda: sluice.state((name,)))
+        sluice.kubectl.run("delete", "deployment,service", f"{name}-worker", "--wait=true",
+                           "--timeout=30s", timeout=60)
+        after = wait_for(f"{name}: a new Deployment and Service",
+                         lambda: (lambda c: c if c and all(
+                             c[k]["metadata"]["uid"] != before[k]["metadata"]["uid"]
+                             for k in c) else None)(children()),
+                         SHORT_TIMEOUT_S, lambda: sluice.state((name,)))
+        uid = sluice.isvc(name)["metadata"]["uid"]
+        for child in after.values():
+            assert [o["uid"] for o in child["metadata"]["ownerReferences"]] == [uid]
     finally:
         delete_isvc(sluice, name)
 
