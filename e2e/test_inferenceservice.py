@@ -224,9 +224,10 @@ def test_gpu_request_is_degraded_with_the_schedulers_message(sluice: Sluice):
 
 # ------------------------------------------------------------------ the lifecycle
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def served(sluice: Sluice):
-    """What the lifecycle steps share: the name, model and notes of one InferenceService."""
+    """What the lifecycle steps share: the name, model and notes of one InferenceService
+    (deleted after the last step, whether or not the steps got that far)."""
     doc = load(SMOLLM2)
     state = {"name": doc["metadata"]["name"], "model": doc["spec"]["model"]["name"],
              "doc": doc}
