@@ -296,7 +296,7 @@ def test_bench_against_a_real_worker(worker_url, model_path, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TTFT (ms)" in proc.stdout and "output tokens/s" in proc.stdout
     data = json.loads(out.read_text())
-    assert set(data) == {"config", "summary", "records"}
+    assert set(data) == {"config", "started_at", "summary", "records"}
     s = data["summary"]
     assert {"requests", "succeeded", "failed", "duration_s", "rps", "output_tok_s", "ttft_ms",
             "itl_ms", "tpot_ms", "e2e_ms", "goodput", "errors", "cost"} <= set(s)

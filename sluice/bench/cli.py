@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=extra,
         connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
         request_timeout_s=args.request_timeout)
-    records, interrupted = _run_with_progress(cfg, specs, tok, arrivals, warmup, n, args.quiet)
+    result = _run_with_progress(cfg, specs, tok, arrivals, warmup, n, args.quiet)
+    records = result.records
     summary = report.summarize(records, args.slo_ttft_ms, args.slo_itl_ms,
                                args.slo_itl_percentile, args.cost_per_hour, args.replicas)
     from rich.console import Console
@@ -166,12 +167,12 @@ def run(args: argparse.Namespace) -> int:
                                                 f"({mode})"))
     if args.output:
         config = {k: v for k, v in vars(args).items() if k != "func"}
-        report.write_json(args.output, config, summary, records)
+        report.write_json(args.output, config, summary, records, result.started_at)
         print(f"wrote {args.output}")
     if args.plot:
         for path in report.plot(args.plot, records):
             print(f"wrote {path}")
-    return 130 if interrupted else 0 if summary["failed"] == 0 else 1
+    return 130 if result.interrupted else 0 if summary["failed"] == 0 else 1
 
 
 def _run_with_progress(cfg, specs, tok, arrivals, warmup, total, quiet):

@@ -166,9 +166,11 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def write_json(path: str | Path, config: dict, summary: dict,
-               records: Iterable[RequestRecord]) -> None:
-    """``{"config", "summary", "records"}``; NaN never appears (None instead)."""
-    data = {"config": config, "summary": summary, "records": [r.to_json() for r in records]}
+               records: Iterable[RequestRecord], started_at: float | None = None) -> None:
+    """``{"config", "started_at", "summary", "records"}``: ``started_at`` is the Unix time
+    of offset 0 of the records' ``*_s`` times. NaN never appears (None instead)."""
+    data = {"config": config, "started_at": started_at, "summary": summary,
+            "records": [r.to_json() for r in records]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
 

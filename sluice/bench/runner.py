@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -51,42 +51,54 @@ class LoadConfig:
     request_timeout_s: float = 600.0
 
 
+@dataclass
+class RunResult:
+    """A finished run.
+
+    Attributes:
+        records: finished measured requests, finalized, in send order.
+        interrupted: the run was cut short (Ctrl-C); requests then in flight are dropped.
+        started_at: wall clock (Unix seconds) at offset 0 of the records' ``*_s`` times.
+    """
+
+    records: list[RequestRecord] = field(default_factory=list)
+    interrupted: bool = False
+    started_at: float = 0.0
+
+
 async def run(cfg: LoadConfig, specs: Iterable[RequestSpec], tokenizer: Tokenizer,
               arrivals: Iterator[float] | None = None, warmup_specs: Iterable[RequestSpec] = (),
-              on_done: Callable[[RequestRecord], None] | None = None
-              ) -> tuple[list[RequestRecord], bool]:
+              on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
     """Send the warm-up, then the measured requests. ``arrivals`` gives open-loop
-    offsets for specs without ``arrival_s``.
-
-    Returns:
-        (finished measured records, finalized, in send order; whether the run was
-        interrupted, e.g. by Ctrl-C: requests in flight then are dropped, not recorded).
-    """
+    offsets for specs without ``arrival_s``."""
     timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s,
                             write=cfg.connect_timeout_s, pool=None)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.concurrency or 64)
     url = cfg.url.rstrip("/") + bench_client.PATHS[cfg.endpoint]
-    records: list[RequestRecord] = []
-    interrupted = False
+    result = RunResult()
+    records = result.records
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         try:
             warm: list[RequestRecord] = []
-            await _closed(cfg, client, url, warmup_specs, None, None, warm)
+            await _closed(cfg, client, url, warmup_specs, None, None, warm, time.perf_counter())
             failed = [r for r in warm if not r.ok]
             if failed:
                 logger.warning("%d of %d warm-up requests failed (%s: %s)", len(failed),
                                len(warm), failed[0].error_code, failed[0].error)
             if cfg.num_requests is not None:
                 specs = itertools.islice(specs, cfg.num_requests)
+            t0, result.started_at = time.perf_counter(), time.time()
             if cfg.open_loop:
-                await _open(cfg, client, url, specs, arrivals, on_done, records)
+                await _open(cfg, client, url, specs, arrivals, on_done, records, t0)
             else:
-                await _closed(cfg, client, url, specs, cfg.duration_s, on_done, records)
+                await _closed(cfg, client, url, specs, cfg.duration_s, on_done, records, t0)
         except asyncio.CancelledError:  # Ctrl-C under asyncio.run: report what finished
-            interrupted = True
+            result.interrupted = True
             logger.warning("interrupted: reporting the %d requests that finished", len(records))
     records.sort(key=lambda r: r.index)
-    return [bench_client.finalize(r, tokenizer) for r in records], interrupted
+    for record in records:
+        bench_client.finalize(record, tokenizer)
+    return result
 
 
 def _record(cfg: LoadConfig, index: int, spec: RequestSpec) -> tuple[dict, RequestRecord]:
@@ -97,11 +109,10 @@ def _record(cfg: LoadConfig, index: int, spec: RequestSpec) -> tuple[dict, Reque
 
 async def _closed(cfg: LoadConfig, client: httpx.AsyncClient, url: str,
                   specs: Iterable[RequestSpec], duration_s: float | None,
-                  on_done: Callable | None, records: list[RequestRecord]) -> None:
+                  on_done: Callable | None, records: list[RequestRecord], t0: float) -> None:
     """``cfg.concurrency`` loops, each sending its next request when its last one ends;
-    finished records are appended to ``records``."""
+    finished records are appended to ``records``; times count from ``t0`` (perf_counter)."""
     numbered = enumerate(specs)
-    t0 = time.perf_counter()
 
     async def loop() -> None:
         while duration_s is None or time.perf_counter() - t0 < duration_s:
@@ -119,13 +130,12 @@ async def _closed(cfg: LoadConfig, client: httpx.AsyncClient, url: str,
 
 async def _open(cfg: LoadConfig, client: httpx.AsyncClient, url: str,
                 specs: Iterable[RequestSpec], arrivals: Iterator[float] | None,
-                on_done: Callable | None, records: list[RequestRecord]) -> None:
+                on_done: Callable | None, records: list[RequestRecord], t0: float) -> None:
     """Each request at its arrival offset, whatever is in flight. With a cap
     (``cfg.concurrency``) a request may wait for a free slot: latencies count from the
     actual send, and ``start_s - scheduled_s`` is that wait."""
     cap = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
     tasks = []
-    t0 = time.perf_counter()
 
     async def fire(body: dict, record: RequestRecord) -> None:
         if cap:
