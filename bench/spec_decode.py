@@ -31,25 +31,25 @@ from sluice.models import store
 from sluice.worker.engine import EngineConfig, SamplingParams
 from sluice.worker.engine.llm_engine import LLMEngine
 
-NGRAM_PROMPT = (
-    "Convert every line of this table to JSON, one object per line, keys name, city, age.\n"
-    "name | city | age\nAlice | Paris | 31\nBob | Lyon | 45\nCarla | Nice | 27\nDavid | Lille | 38\n"
-    "Erin | Nantes | 52\nFrank | Brest | 29\nGina | Dijon | 33\nHugo | Metz | 41\n")
+# a completion prompt (no chat template): unit tests whose continuation repeats their shape
+NGRAM_PROMPT = ("def test_add_1():\n    assert add(1, 1) == 2\n\ndef test_add_2():\n"
+                "    assert add(2, 2) == 4\n\ndef test_add_3():\n    assert add(3, 3) == 6\n\n")
 CODE_PROMPT = ("Write a Python class `Matrix` with methods add, sub, mul, transpose and "
                "__repr__, each with a docstring, then unit tests for every method.")
 TARGETS = {"ngram": 1.8, "draft": 1.3}
 
 
-def chat_ids(engine: LLMEngine, text: str) -> list[int]:
-    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                tokenize=False, add_generation_prompt=True)
-    return engine.tokenizer.encode(chat)
+def prompt_ids(engine: LLMEngine, text: str, chat: bool) -> list[int]:
+    if chat:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                    tokenize=False, add_generation_prompt=True)
+    return engine.tokenizer.encode(text)
 
 
-def timed(config: EngineConfig, text: str, max_tokens: int) -> dict:
+def timed(config: EngineConfig, text: str, chat: bool, max_tokens: int) -> dict:
     """Warm up, then one timed greedy generation. Frees the engine afterwards."""
     engine = LLMEngine(config)
-    ids = chat_ids(engine, text)
+    ids = prompt_ids(engine, text, chat)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate([ids[:16]], SamplingParams(max_tokens=4, temperature=0.0))
     drafted, accepted = engine.num_draft_tokens, engine.num_accepted_tokens
@@ -64,9 +64,10 @@ def timed(config: EngineConfig, text: str, max_tokens: int) -> dict:
             "acceptance_rate": accepted / drafted if drafted else None}
 
 
-def pair(name: str, plain_cfg: EngineConfig, spec_cfg: EngineConfig, text: str, max_tokens: int) -> dict:
-    plain = timed(plain_cfg, text, max_tokens)
-    spec = timed(spec_cfg, text, max_tokens)
+def pair(name: str, plain_cfg: EngineConfig, spec_cfg: EngineConfig, text: str, chat: bool,
+         max_tokens: int) -> dict:
+    plain = timed(plain_cfg, text, chat, max_tokens)
+    spec = timed(spec_cfg, text, chat, max_tokens)
     row = {"method": name, "plain_tok_s": plain["tok_s"], "spec_tok_s": spec["tok_s"],
            "speedup": spec["tok_s"] / plain["tok_s"], "target": TARGETS[name],
            "identical": plain["tokens"] == spec["tokens"], "acceptance_rate": spec["acceptance_rate"],
@@ -91,14 +92,14 @@ def main() -> None:
         smol = str(store.fetch("SmolLM2-135M-Instruct"))
         base = dict(model=smol, kv_cache_gib=0.25)
         rows.append(pair("ngram", EngineConfig(**base), EngineConfig(
-            **base, speculative_method="ngram", num_speculative_tokens=args.k), NGRAM_PROMPT, args.max_tokens))
+            **base, speculative_method="ngram", num_speculative_tokens=args.k), NGRAM_PROMPT, False, args.max_tokens))
     if args.only in (None, "draft"):
         target = str(store.fetch("Qwen2.5-Coder-1.5B-Instruct"))
         draft = str(store.fetch("Qwen2.5-Coder-0.5B-Instruct"))
         base = dict(model=target, kv_cache_gib=0.25, max_model_len=2048)
         rows.append(pair("draft", EngineConfig(**base), EngineConfig(
             **base, speculative_method="draft", speculative_model=draft, num_speculative_tokens=args.k),
-            CODE_PROMPT, args.max_tokens))
+            CODE_PROMPT, True, args.max_tokens))
     print(f"\nbatch 1, greedy, {args.max_tokens} output tokens, torch threads {torch.get_num_threads()}, "
           f"load avg {os.getloadavg()[0]:.1f}")
     print(f"{'method':<6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'target':>7} "
