@@ -167,12 +167,12 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
 
-def serve_router(worker_urls: list[str], port: int):
+def serve_router(worker_urls: list[str], port: int, *extra: str):
     """A router process; unlike ``serve`` it does not need a ready worker to be 'up'."""
 
     @contextlib.contextmanager
     def running():
-        args = [sys.executable, "-m", "sluice.cli", "router", "--port", str(port)]
+        args = [sys.executable, "-m", "sluice.cli", "router", "--port", str(port), *extra]
         for u in worker_urls:
             args += ["--worker", u]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -316,10 +316,14 @@ def test_dead_worker_is_not_ready_and_traffic_flows(router, dead_worker):
 
 
 @slow
-def test_least_load_spreads_concurrent_requests(router, workers):
+def test_least_load_spreads_concurrent_requests(workers):
+    """(The default policy, slo, would pack these identical prompts where their prefix is
+    cached while the TTFT objective holds.)"""
     before = [successes(u) for u in workers]
     body = {**COMPLETION, "max_tokens": 8, "ignore_eos": True}
-    with ThreadPoolExecutor(6) as pool:
+    with serve_router(workers, free_port(), "--policy", "least-load") as router, \
+            ThreadPoolExecutor(6) as pool:
+        assert wait_until(lambda: set(ready_workers(router)) == set(workers), 10)
         statuses = list(pool.map(
             lambda _: httpx.post(f"{router}/v1/completions", json=body, timeout=120).status_code,
             range(6)))

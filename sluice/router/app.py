@@ -1,13 +1,22 @@
 """`sluice router`: one OpenAI endpoint in front of several workers.
 
 Every OpenAI route goes through ``route_request``: read ``model`` (and ``stream``) from the
-JSON body, let the policy pick a ready worker that serves the model, forward the raw body,
-and hand back the worker's status and bytes unchanged (streams are relayed chunk by chunk,
+JSON body, pass admission control (a per-model priority/EDF queue; ``sluice.router.dispatch``),
+let the policy pick a ready worker that serves the model, forward the raw body, and hand
+back the worker's status and bytes unchanged (streams are relayed chunk by chunk,
 unbuffered). The client going away closes the upstream request, so the worker aborts it and
 frees its KV cache.
 
-Errors are OpenAI error bodies: 400 malformed JSON, 404 unknown model (no worker contacted),
-503 no ready worker, 502 worker unreachable, 504 worker silent past ``--read-timeout``.
+A worker that refuses the connection or answers 503 has processed nothing: the request goes
+to the next candidate. A worker that dies after taking the request but before its first
+byte (SIGKILL, OOM) costs one retry elsewhere; a stream that breaks after its first byte
+ends with an SSE error event. Either way the worker is marked down until a poll finds it
+healthy again (passive health checking).
+
+Errors are OpenAI error bodies: 400 malformed JSON or routing header, 404 unknown model (no
+worker contacted), 429 admission queue full (with ``Retry-After``), 503 no ready worker,
+502 worker unreachable or failed, 504 no first byte within ``--first-byte-timeout`` or a gap
+longer than ``--read-timeout``.
 
 Workers come from ``--worker URL`` (static discovery) or, with ``--discovery kubernetes``,
 from the InferenceServices and worker Endpoints of one namespace (``sluice.router.discovery``);
@@ -29,17 +38,18 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from sluice.api import metrics as names
 from sluice.api.openai import error_body
 from sluice.logs import quiet_probe_access_logs
 from sluice.router import discovery
-from sluice.router.endpoints import Endpoint, EndpointSet, Lease
-from sluice.router.policy import POLICIES, RoutingPolicy, RoutingRequest, make_policy
+from sluice.router.admission import Rejected
+from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
+from sluice.router.endpoints import Endpoint, EndpointSet, Lease, WorkerLoad
+from sluice.router.metrics import RouterMetrics
+from sluice.router.policy import DEFAULT_POLICY, POLICIES, Prediction, RoutingRequest
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +74,11 @@ class RouterConfig:
         namespace: the namespace Kubernetes discovery watches.
         kubeconfig: kubeconfig path for Kubernetes discovery; None: ``$KUBECONFIG``, the
             in-cluster service account, or ``~/.kube/config``.
-        policy: a name in ``sluice.router.policy.POLICIES``.
+        dispatch: policy, objectives and admission settings (``DispatchSettings``).
         connect_timeout: seconds to open a connection to a worker.
-        read_timeout: seconds to wait for any byte from a worker (the first one, and each gap
-            between stream chunks).
+        first_byte_timeout: seconds from sending a request to its first byte of body (the
+            worker's whole answer for a plain request); above realistic TTFT plus queueing.
+        read_timeout: seconds allowed between two chunks of a stream.
         poll_interval: seconds between health polls of each worker.
     """
 
@@ -75,28 +86,11 @@ class RouterConfig:
     discovery: str = "static"
     namespace: str = "default"
     kubeconfig: str | None = None
-    policy: str = "least-load"
+    dispatch: DispatchSettings = field(default_factory=DispatchSettings)
     connect_timeout: float = 5.0
+    first_byte_timeout: float = 300.0
     read_timeout: float = 600.0
     poll_interval: float = 1.0
-
-
-class RouterMetrics:
-    """The router's Prometheus metrics, in a registry of its own (one per app)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(names.ROUTER_REQUESTS, "Requests by served model and HTTP status.",
-                                ["model", "status"], registry=self.registry)
-        self.ttft = Histogram(names.ROUTER_TTFT, "Seconds from request arrival to the first "
-                              "streamed chunk from the worker.", buckets=names.TTFT_BUCKETS,
-                              registry=self.registry)
-        self.itl = Histogram(names.ROUTER_ITL, "Seconds between streamed chunks from the worker.",
-                             buckets=names.ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(names.ROUTER_E2E, "Seconds from request arrival to the end of the "
-                             "worker's response.", buckets=names.E2E_BUCKETS, registry=self.registry)
-        self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "Requests being served by a worker.",
-                               registry=self.registry)
 
 
 @dataclass
@@ -105,7 +99,7 @@ class RouterState:
 
     config: RouterConfig
     endpoints: EndpointSet
-    policy: RoutingPolicy
+    dispatcher: Dispatcher
     metrics: RouterMetrics
     client: httpx.AsyncClient
 
@@ -123,43 +117,78 @@ def openai_error(status: int, message: str, type_: str, param: str | None = None
 # ---------------------------------------------------------------------------- the proxy path
 
 class _Exchange:
-    """Bookkeeping of one proxied request: the endpoint lease and the metric hooks.
+    """Bookkeeping of one request sent to one endpoint: the lease, the metric hooks and the
+    latency observations.
 
     ``on_chunk`` runs per upstream chunk; ``on_complete`` (idempotent) from ``finally``.
+    The first token is the first SSE event after a chat stream's role events (one per
+    choice, sent before any token); for a plain response, the whole body.
     """
 
-    def __init__(self, state: RouterState, model: str, endpoint: Endpoint, start: float):
-        self.state, self.model, self.start = state, model, start
-        self.lease = Lease(endpoint)
+    def __init__(self, state: RouterState, routing: RoutingRequest, endpoint: Endpoint,
+                 start: float, prediction: Prediction):
+        self.state, self.routing, self.model, self.start = state, routing, routing.model, start
+        self.endpoint, self.prediction = endpoint, prediction
+        self.lease = Lease(endpoint, prefill_tokens=prediction.features[3] * 1000.0)
+        self.sent_at = time.monotonic()
         self.status = 0
+        self._role_events = _role_events(routing)
+        self._events = 0
+        self._first_token_at: float | None = None
         self._last_chunk: float | None = None
+        self._gaps = 0
         state.metrics.in_flight.inc()
+        state.dispatcher.dispatched(endpoint, routing)
 
-    def on_chunk(self) -> None:
+    def on_headers(self, upstream: httpx.Response) -> None:
+        self.status = upstream.status_code
+        report = WorkerLoad.from_headers(upstream.headers, time.monotonic())
+        if report is not None:
+            self.endpoint.reported = report
+
+    def on_chunk(self, chunk: bytes) -> None:
         now = time.monotonic()
-        if self._last_chunk is None:
-            self.state.metrics.ttft.observe(now - self.start)
+        if self._first_token_at is None:
+            self._events += chunk.count(b"data: ")
+            if self._events > self._role_events:
+                self._first_token(now)
         else:
             self.state.metrics.itl.observe(now - self._last_chunk)
+            self._gaps += 1
         self._last_chunk = now
 
+    def _first_token(self, now: float) -> None:
+        self._first_token_at = now
+        self.state.metrics.ttft.observe(now - self.start)
+        self.lease.first_token()
+        self.state.dispatcher.first_token(self.endpoint, self.prediction, now - self.sent_at,
+                                          self.model)
+
     def on_complete(self, counted: bool = True) -> None:
-        """Release the endpoint; count the request unless ``counted`` is False (a connect
-        failure that will be retried elsewhere)."""
+        """Release the endpoint; count the request unless ``counted`` is False (it will be
+        tried elsewhere)."""
         if not self.lease.release():
             return
         self.state.metrics.in_flight.dec()
+        gap = None
+        if self._gaps and self._first_token_at is not None and self._last_chunk is not None:
+            gap = (self._last_chunk - self._first_token_at) / self._gaps
+        self.state.dispatcher.finished(self.endpoint, self.prediction, gap, self.model)
         if counted:
             self.state.metrics.e2e.observe(time.monotonic() - self.start)
             self.state.metrics.requests.labels(self.model, str(self.status)).inc()
 
 
+def _role_events(routing: RoutingRequest) -> int:
+    """SSE events a chat stream sends before its first token (the role chunks)."""
+    if not routing.stream or "messages" not in routing.body:
+        return 0
+    n = routing.body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
 async def route_request(request: Request, path: str) -> Response:
     """Proxy one OpenAI request to a worker; see the module docstring for the error cases.
-
-    A worker that refuses the connection or answers 503 (loading, draining) has processed
-    nothing, so the request is tried on the next candidate; the worker is marked not ready
-    until the poller sees it healthy again.
 
     Args:
         request: the client's request (its body is read here).
@@ -175,19 +204,46 @@ async def route_request(request: Request, path: str) -> Response:
     if error is not None:
         return _count(state, None, error)
     model = body["model"]
-    routing = RoutingRequest(model=model, stream=body.get("stream") is True, body=body)
+    try:
+        routing = state.dispatcher.routing_request(body, request.headers, start)
+    except BadRoutingHeader as exc:
+        return _count(state, model, openai_error(400, str(exc), "invalid_request_error",
+                                                 exc.param))
+    if state.endpoints.ready_for(model):
+        try:
+            await _unless_disconnected(request.receive, state.dispatcher.admit(routing))
+        except Rejected as exc:
+            response = openai_error(429, str(exc), "rate_limit_error", code=exc.reason)
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+            return _count(state, model, response)
+        except ClientDisconnected:
+            return _count(state, model, Response(status_code=CLIENT_CLOSED))
+    return await _dispatch(request, state, routing, raw, path, start)
+
+
+async def _dispatch(request: Request, state: RouterState, routing: RoutingRequest, raw: bytes,
+                    path: str, start: float) -> Response:
+    """Send to the policy's pick; on a worker that took nothing, the next candidate."""
+    model = routing.model
     headers = _forward_headers(request)
     tried: set[str] = set()
-    refused_by_all = True
+    refused_by_all, retried = True, False
     while candidates := [e for e in state.endpoints.ready_for(model) if e.url not in tried]:
-        endpoint = await state.policy.choose(candidates, routing)
-        exchange = _Exchange(state, model, endpoint, start)
+        endpoint, prediction = await state.dispatcher.choose(candidates, routing)
+        exchange = _Exchange(state, routing, endpoint, start, prediction)
         try:
             return await _forward(request, state, endpoint, path, raw, headers, exchange)
         except _TryElsewhere as exc:
             state.endpoints.mark_down(endpoint, str(exc))
             tried.add(endpoint.url)
             refused_by_all &= exc.refused
+            if exc.sent:  # the worker may have started on it: one more try, no more
+                if retried:
+                    return _count(state, model, openai_error(
+                        502, f"two workers failed before answering: {exc}", "server_error",
+                        code="upstream_error"))
+                retried = True
+                state.metrics.retries.inc()
     if tried and refused_by_all:
         return _count(state, model, openai_error(
             502, f"could not connect to any worker serving `{model}`", "server_error",
@@ -223,37 +279,63 @@ def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response
 
 
 class _TryElsewhere(Exception):
-    """The worker did not take the request (``refused``: no connection; else a 503)."""
+    """The worker did not answer this request.
 
-    def __init__(self, message: str, refused: bool):
+    Attributes:
+        refused: no connection was made (nothing was sent).
+        sent: the request was sent, then the connection died before any byte came back.
+        (Neither: the worker answered 503, loading or draining.)
+    """
+
+    def __init__(self, message: str, refused: bool, sent: bool = False):
         super().__init__(message)
         self.refused = refused
+        self.sent = sent
+
+
+# the connection died under a request: it may be resent elsewhere if nothing came back yet
+_BROKEN = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 async def _forward(request: Request, state: RouterState, endpoint: Endpoint, path: str,
                    raw: bytes, headers: dict[str, str], exchange: _Exchange) -> Response:
     """Send to ``endpoint`` and return its answer (streamed when it is an event stream).
 
+    The first body chunk (or the whole body of a plain answer) is awaited here, within
+    ``first_byte_timeout``, so a worker that dies before answering can still be replaced.
+
     Raises:
-        _TryElsewhere: connection refused or 503; the exchange is released uncounted.
+        _TryElsewhere: no connection, a 503, or a connection that broke before any byte;
+            the exchange is released uncounted.
     """
     upstream_request = state.client.build_request("POST", endpoint.url + path, content=raw,
                                                   headers=headers)
     streaming = False
     upstream: httpx.Response | None = None
+
+    async def first_byte() -> tuple[httpx.Response, bytes | None, AsyncIterator[bytes] | None]:
+        nonlocal upstream
+        upstream = await state.client.send(upstream_request, stream=True)
+        exchange.on_headers(upstream)
+        if upstream.status_code == 503:
+            return upstream, None, None
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return upstream, await _read_raw(upstream), None
+        chunks = upstream.aiter_raw()
+        return upstream, await anext(chunks, b""), chunks
+
     try:
-        upstream = await _unless_disconnected(
-            request.receive, state.client.send(upstream_request, stream=True))
-        exchange.status = upstream.status_code
+        upstream, content, rest = await _unless_disconnected(
+            request.receive, asyncio.wait_for(first_byte(), state.config.first_byte_timeout))
         if upstream.status_code == 503:
             exchange.on_complete(counted=False)
             raise _TryElsewhere("answered 503", refused=False)
         out_headers = _response_headers(upstream)
-        if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+        if rest is not None:
             streaming = True
-            return RelayResponse(_relay(upstream, exchange), upstream.status_code, out_headers,
+            return RelayResponse(_relay(upstream, rest, exchange, content or b""),
+                                 upstream.status_code, out_headers,
                                  on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED))
-        content = await _unless_disconnected(request.receive, _read_raw(upstream))
         return Response(content, upstream.status_code, out_headers)
     except ClientDisconnected:
         logger.info("client left; closed the request to %s", endpoint.url)
@@ -262,7 +344,11 @@ async def _forward(request: Request, state: RouterState, endpoint: Endpoint, pat
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing was sent
         exchange.on_complete(counted=False)
         raise _TryElsewhere(f"connect failed: {exc}", refused=True) from exc
-    except httpx.TimeoutException as exc:
+    except _BROKEN as exc:  # sent, and the worker died before answering
+        exchange.on_complete(counted=False)
+        raise _TryElsewhere(f"connection lost before the first byte: {type(exc).__name__}",
+                            refused=False, sent=True) from exc
+    except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
         exchange.status = 504
         return openai_error(504, f"worker {endpoint.url} did not answer in time "
                             f"({type(exc).__name__})", "server_error", code="upstream_timeout")
@@ -278,16 +364,22 @@ async def _forward(request: Request, state: RouterState, endpoint: Endpoint, pat
             exchange.on_complete()
 
 
-async def _relay(upstream: httpx.Response, exchange: _Exchange) -> AsyncIterator[bytes]:
-    """Yield the worker's bytes as they arrive; close the upstream response when done,
-    failed, or closed early (client gone)."""
+async def _relay(upstream: httpx.Response, rest: AsyncIterator[bytes], exchange: _Exchange,
+                 first: bytes) -> AsyncIterator[bytes]:
+    """Yield ``first``, then the rest of the worker's bytes as they arrive; close the
+    upstream response when done, failed, or closed early (client gone)."""
     try:
-        async for chunk in upstream.aiter_raw():
-            exchange.on_chunk()
+        if first:
+            exchange.on_chunk(first)
+            yield first
+        async for chunk in rest:
+            exchange.on_chunk(chunk)
             yield chunk
     except httpx.HTTPError as exc:  # headers are sent: end the stream with an error event
-        logger.warning("stream from %s broke: %s: %s", exchange.lease.endpoint.url,
+        logger.warning("stream from %s broke: %s: %s", exchange.endpoint.url,
                        type(exc).__name__, exc)
+        if not isinstance(exc, httpx.TimeoutException):
+            exchange.state.endpoints.mark_down(exchange.endpoint, "its stream broke")
         error = {"error": {"message": f"the worker stream broke: {type(exc).__name__}",
                            "type": "server_error", "param": None, "code": "upstream_error"}}
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
@@ -383,14 +475,15 @@ def _count(state: RouterState, model: str | None, response: Response) -> Respons
 # ---------------------------------------------------------------------------- the app
 
 def create_app(config: RouterConfig) -> FastAPI:
-    """Build the router app. The shared HTTP client, the endpoint poller and the policy are
-    created in the lifespan and live in ``app.state.router``.
+    """Build the router app. The shared HTTP client, the endpoint poller and the dispatcher
+    (policy, admission queues, latency models) are created in the lifespan and live in
+    ``app.state.router``.
 
     Raises:
-        ValueError: unknown policy or discovery name.
+        ValueError: unknown policy or discovery name, or a bad setting.
         kubernetes.config.ConfigException: Kubernetes discovery without a usable kubeconfig.
     """
-    policy = make_policy(config.policy)  # fail before serving, not on the first request
+    Dispatcher(EndpointSet(), config.dispatch, RouterMetrics())  # fail before serving
     if config.discovery not in DISCOVERY:
         raise ValueError(f"unknown discovery {config.discovery!r}; known: {', '.join(DISCOVERY)}")
     kube_client = discovery.api_client(config.kubeconfig) if config.discovery == "kubernetes" \
@@ -403,7 +496,10 @@ def create_app(config: RouterConfig) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval)
-            app.state.router = RouterState(config, endpoints, policy, RouterMetrics(), client)
+            metrics = RouterMetrics()
+            dispatcher = Dispatcher(endpoints, config.dispatch, metrics)
+            endpoints.on_polled = dispatcher.tick
+            app.state.router = RouterState(config, endpoints, dispatcher, metrics, client)
             watcher = None
             if kube_client is not None:
                 watcher = discovery.KubernetesDiscovery(endpoints, config.namespace, kube_client,
@@ -474,12 +570,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "in-cluster service account, ~/.kube/config)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="port to bind")
-    parser.add_argument("--policy", default="least-load", choices=sorted(POLICIES),
-                        help="routing policy")
+    defaults = DispatchSettings()
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                        help="routing policy (default: %(default)s)")
+    parser.add_argument("--load-factor", type=float, default=defaults.load_factor,
+                        help="prefix policy: no worker takes more than this times the average "
+                        "in-flight load (default: %(default)s)")
+    parser.add_argument("--prefix-key-chars", type=int, default=defaults.prefix_key_chars,
+                        help="prompt characters hashed into the prefix key (default: %(default)s)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=defaults.slo_ttft_ms,
+                        help="TTFT objective of requests whose InferenceService and x-slo-ttft-ms "
+                        "header set none; 0: none (default: %(default)s)")
+    parser.add_argument("--slo-itl-ms", type=float, default=0.0,
+                        help="inter-token latency objective, likewise; 0: none (default)")
+    parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                        help="requests that may wait per model when no worker is predicted to "
+                        "meet their TTFT objective; beyond it: 429 (default: %(default)s)")
+    parser.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout,
+                        help="seconds a request may wait in the queue before 429 "
+                        "(default: %(default)s)")
     parser.add_argument("--connect-timeout", type=float, default=5.0,
-                        help="seconds to connect to a worker")
+                        help="seconds to connect to a worker (default: %(default)s)")
+    parser.add_argument("--first-byte-timeout", type=float, default=300.0,
+                        help="seconds from sending a request to its first byte (a plain "
+                        "request: its whole answer) (default: %(default)s)")
     parser.add_argument("--read-timeout", type=float, default=600.0,
-                        help="seconds to wait for the first byte and between stream chunks")
+                        help="seconds allowed between stream chunks (default: %(default)s)")
     parser.add_argument("--poll-interval", type=float, default=1.0,
                         help="seconds between health polls of each worker")
 
@@ -494,10 +610,15 @@ def run(args: argparse.Namespace) -> int:
     if not kubernetes and not args.worker:
         logger.warning("no --worker given: every request will get 503")
     namespace = args.namespace or discovery.default_namespace()
+    dispatch = DispatchSettings(
+        policy=args.policy, load_factor=args.load_factor, slo_ttft_ms=args.slo_ttft_ms or None,
+        slo_itl_ms=args.slo_itl_ms or None, max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout, prefix_key_chars=args.prefix_key_chars)
     config = RouterConfig(workers=args.worker, discovery=args.discovery, namespace=namespace,
-                          kubeconfig=args.kubeconfig, policy=args.policy,
-                          connect_timeout=args.connect_timeout, read_timeout=args.read_timeout,
-                          poll_interval=args.poll_interval)
+                          kubeconfig=args.kubeconfig, dispatch=dispatch,
+                          connect_timeout=args.connect_timeout,
+                          first_byte_timeout=args.first_byte_timeout,
+                          read_timeout=args.read_timeout, poll_interval=args.poll_interval)
     if kubernetes:
         from kubernetes.config import ConfigException
         try:

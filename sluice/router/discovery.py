@@ -3,7 +3,7 @@
 Two list-then-watch loops, each in a daemon thread (the kubernetes client is synchronous, so
 the event loop never blocks on it), keep a small view of the router's namespace:
 
-    InferenceServices   name → spec.model.name                (serving.sluice.dev, read-only)
+    InferenceServices   name → spec.model.name, spec.slo      (serving.sluice.dev, read-only)
     Endpoints (v1)      name → ready URLs on the port ``http``  (v1: EndpointSlice is only
                         (the operator's labels select them)      v1beta1 on Kubernetes 1.20)
 
@@ -96,6 +96,38 @@ def served_model(isvc: Mapping[str, Any]) -> str | None:
     """``spec.model.name`` of an InferenceService as JSON, or None when it has none."""
     name = ((isvc.get("spec") or {}).get("model") or {}).get("name")
     return name if isinstance(name, str) and name else None
+
+
+@dataclass(frozen=True)
+class ServiceView:
+    """What the router keeps of one InferenceService: its served model name and latency
+    objectives (``spec.slo``, milliseconds; None where unset)."""
+
+    model: str | None
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+
+
+def service_view(isvc: Mapping[str, Any]) -> ServiceView:
+    """``spec.model.name`` and ``spec.slo.{ttftMs, itlMs}`` of an InferenceService as JSON."""
+    slo = (isvc.get("spec") or {}).get("slo") or {}
+
+    def positive(value: Any) -> float | None:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        return float(value) if ok else None
+
+    return ServiceView(served_model(isvc), positive(slo.get("ttftMs")), positive(slo.get("itlMs")))
+
+
+def objectives(views: Mapping[str, ServiceView]) -> dict[str, tuple[float | None, float | None]]:
+    """Served model name → (TTFT ms, ITL ms) from the InferenceServices that set any; two
+    services of one model: the first name in sorted order wins."""
+    out: dict[str, tuple[float | None, float | None]] = {}
+    for name in sorted(views):
+        view = views[name]
+        if view.model is not None and (view.ttft_ms or view.itl_ms):
+            out.setdefault(view.model, (view.ttft_ms, view.itl_ms))
+    return out
 
 
 @dataclass(frozen=True)
@@ -300,13 +332,13 @@ class KubernetesDiscovery:
         self.endpoints, self.namespace, self.loop = endpoints, namespace, loop
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._last: Discovered | None = None
+        self._last: tuple[Discovered, dict] | None = None
         custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
         self.isvcs = Reflector(
             "inferenceservices",
             functools.partial(custom.list_namespaced_custom_object, GROUP, VERSION, namespace,
                               PLURAL),
-            served_model, self._changed, self._lock, self._stop, watch_timeout)
+            service_view, self._changed, self._lock, self._stop, watch_timeout)
         self.worker_endpoints = Reflector(
             "endpoints",
             # only the worker Services' Endpoints (they carry their Service's labels)
@@ -335,7 +367,9 @@ class KubernetesDiscovery:
         with self._lock:
             if not (self.isvcs.synced and self.worker_endpoints.synced):
                 return  # half a view would unlist every endpoint of the other half
-            now = discovered(self.isvcs.view, self.worker_endpoints.view)
+            views = self.isvcs.view
+            now = (discovered({k: v.model for k, v in views.items()}, self.worker_endpoints.view),
+                   objectives(views))
             if now == self._last:
                 return
             self._last = now
@@ -344,8 +378,9 @@ class KubernetesDiscovery:
         except RuntimeError:  # the loop is closed: the router is shutting down
             pass
 
-    def _apply(self, now: Discovered) -> None:
-        self.endpoints.sync(now.urls, now.models)
+    def _apply(self, now: tuple[Discovered, dict]) -> None:
+        found, slos = now
+        self.endpoints.sync(found.urls, found.models, slos)
 
 
 def default_namespace() -> str:

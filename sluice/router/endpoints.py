@@ -210,8 +210,11 @@ class EndpointSet:
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
         self.on_polled: Callable[[], None] = lambda: None  # e.g. re-check admission queues
+        # served model → (TTFT ms, ITL ms) declared by discovery (InferenceService spec.slo)
+        self.objectives: dict[str, tuple[float | None, float | None]] = {}
 
-    def sync(self, urls: Iterable[str], declared_models: Iterable[str]) -> None:
+    def sync(self, urls: Iterable[str], declared_models: Iterable[str],
+             objectives: dict[str, tuple[float | None, float | None]] | None = None) -> None:
         """Make ``urls`` the listed endpoints (dynamic discovery).
 
         New URLs are added not ready and the poller is woken to confirm them at once; URLs
@@ -222,6 +225,8 @@ class EndpointSet:
             declared_models: every served model name discovery knows of, with or without a
                 listed endpoint; a request for one of them gets 503 (retry) rather than 404
                 while it has no ready worker.
+            objectives: served model name → (TTFT ms, ITL ms) from its InferenceService's
+                ``spec.slo`` (None: keep the router's defaults).
         """
         wanted = {u.rstrip("/") for u in urls}
         joined = False
@@ -244,6 +249,7 @@ class EndpointSet:
                             endpoint.url, endpoint.in_flight)
         self._endpoints = dict(sorted(self._endpoints.items()))
         self._declared = frozenset(declared_models)
+        self.objectives = dict(objectives or {})
         self.prune()
 
     def prune(self) -> None:

@@ -1,0 +1,228 @@
+"""Between a parsed request and the proxy: its routing view, admission, the choice of an
+endpoint, and what each exchange teaches the latency models.
+
+    body + headers ──▶ routing_request ──▶ admit (queue, 429) ──▶ choose (policy)
+                                                                      │ lease + prefix record
+    first token ──▶ first_token: fit the endpoint's TTFT model, MAPE ◀┘
+    finished    ──▶ finished: fit its ITL model; kick the model's queue
+
+The admission gate (``gate``) lets a request through when some ready endpoint is predicted
+to meet its TTFT objective, or has no prefill in flight at all (work conservation: an idle
+endpoint never waits while requests queue). Every capacity event (first token, finished
+request, a poll) kicks the queue, which re-checks its head.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.router.admission import AdmissionQueue
+from sluice.router.endpoints import Endpoint, EndpointSet
+from sluice.router.metrics import RouterMetrics
+from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, PolicyContext, Prediction,
+                                  RoutingPolicy, RoutingRequest, make_policy, predict, predict_all)
+from sluice.router.predictor import ErrorTracker, itl_features
+from sluice.router.prefix import KEY_CHARS, PrefixIndex, shape
+
+logger = logging.getLogger(__name__)
+
+HEADER_TTFT = "x-slo-ttft-ms"
+HEADER_ITL = "x-slo-itl-ms"
+HEADER_PRIORITY = "x-priority"
+EWMA_ALPHA = 0.1
+
+
+class BadRoutingHeader(ValueError):
+    """An ``x-slo-*`` or ``x-priority`` header (or the body's ``priority``) is malformed.
+
+    Attributes:
+        param: the header or field name.
+    """
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class DispatchSettings:
+    """Routing and admission settings (router flags map 1:1).
+
+    Attributes:
+        policy: a name in ``sluice.router.policy.POLICIES``.
+        load_factor: CHWBL's bound for ``prefix``.
+        slo_ttft_ms: default TTFT objective when neither the request nor its
+            InferenceService sets one; None: no objective (no queueing, no deadline).
+        slo_itl_ms: default ITL objective, likewise.
+        max_queue: most requests waiting per model; 0: reject what the gate refuses.
+        queue_timeout: seconds a request may wait in the queue.
+        prefix_key_chars: characters of the prompt that make the prefix key.
+    """
+
+    policy: str = DEFAULT_POLICY
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    slo_ttft_ms: float | None = 2000.0
+    slo_itl_ms: float | None = None
+    max_queue: int = 256
+    queue_timeout: float = 60.0
+    prefix_key_chars: int = KEY_CHARS
+
+
+def _positive_ms(value: Any, param: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise BadRoutingHeader(param, f"{param} must be a number of milliseconds") from None
+    if not (number > 0 and math.isfinite(number)):
+        raise BadRoutingHeader(param, f"{param} must be > 0")
+    return number
+
+
+def _priority(value: Any, param: str) -> int:
+    if isinstance(value, bool):
+        raise BadRoutingHeader(param, f"{param} must be an integer")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise BadRoutingHeader(param, f"{param} must be an integer") from None
+    if abs(number) > 2**31:
+        raise BadRoutingHeader(param, f"{param} is out of range")
+    return number
+
+
+class Dispatcher:
+    """Admission, policy and latency models of one router (created in its lifespan).
+
+    Args:
+        endpoints: the router's endpoint set (read; its per-endpoint models are fitted).
+        settings: see ``DispatchSettings``.
+        metrics: the router's metrics (queue, rejections, predictor error).
+    """
+
+    def __init__(self, endpoints: EndpointSet, settings: DispatchSettings,
+                 metrics: RouterMetrics):
+        self.endpoints = endpoints
+        self.settings = settings
+        self.metrics = metrics
+        self.context = PolicyContext(PrefixIndex(), settings.load_factor)
+        self.policy: RoutingPolicy = make_policy(settings.policy, self.context)
+        self.admission: AdmissionQueue[RoutingRequest] = AdmissionQueue(
+            settings.max_queue, settings.queue_timeout, self._retry_after, self._queue_changed)
+        self.errors = ErrorTracker()
+        self.mean_ttft_s = 0.0  # EWMA of observed TTFTs (Retry-After estimates)
+
+    # ------------------------------------------------------------------ the request's view
+
+    def routing_request(self, body: Mapping[str, Any], headers: Mapping[str, str],
+                        arrival: float) -> RoutingRequest:
+        """The routing view of a parsed request.
+
+        Objectives: the ``x-slo-ttft-ms`` / ``x-slo-itl-ms`` headers, else the model's
+        InferenceService ``spec.slo``, else the router's defaults. Priority: ``x-priority``,
+        else the body's ``priority`` (vLLM's field), else 0; lower is served first.
+
+        Raises:
+            BadRoutingHeader: a malformed header or priority.
+        """
+        model = body["model"]
+        declared_ttft, declared_itl = self.endpoints.objectives.get(model, (None, None))
+        ttft_ms = headers.get(HEADER_TTFT)
+        itl_ms = headers.get(HEADER_ITL)
+        ttft = _positive_ms(ttft_ms, HEADER_TTFT) if ttft_ms is not None \
+            else declared_ttft or self.settings.slo_ttft_ms
+        itl = _positive_ms(itl_ms, HEADER_ITL) if itl_ms is not None \
+            else declared_itl or self.settings.slo_itl_ms
+        if headers.get(HEADER_PRIORITY) is not None:
+            priority = _priority(headers[HEADER_PRIORITY], HEADER_PRIORITY)
+        elif body.get("priority") is not None:
+            priority = _priority(body["priority"], "priority")
+        else:
+            priority = 0
+        ttft_s = ttft / 1000.0 if ttft else None
+        return RoutingRequest(
+            model=model, stream=body.get("stream") is True, body=body,
+            shape=shape(body, key_chars=self.settings.prefix_key_chars),
+            ttft_slo_s=ttft_s, itl_slo_s=itl / 1000.0 if itl else None,
+            deadline=arrival + ttft_s if ttft_s else None, priority=priority)
+
+    # ------------------------------------------------------------------ admission
+
+    def gate(self, request: RoutingRequest) -> bool:
+        """True when ``request`` may be sent now (see the module docstring)."""
+        candidates = self.endpoints.ready_for(request.model)
+        if not candidates or request.deadline is None:
+            return True  # nothing to wait for: the proxy answers (503 without workers)
+        if any(e.prefilling == 0 for e in candidates):
+            return True
+        now = time.monotonic()
+        budget = request.budget_s(now)
+        return any(p.ttft_s <= budget
+                   for p in predict_all(candidates, request, self.context.prefix_index, now))
+
+    async def admit(self, request: RoutingRequest) -> float:
+        """Wait until ``request`` may be sent; the seconds it waited.
+
+        Raises:
+            Rejected: its model's queue is full (or it waited too long).
+        """
+        waited = await self.admission.admit(
+            request.model, request, request.priority,
+            request.deadline if request.deadline is not None else math.inf, self.gate)
+        self.metrics.queue_wait.observe(waited)
+        return waited
+
+    def kick(self, model: str) -> None:
+        self.admission.kick(model, self.gate)
+
+    def tick(self) -> None:
+        """Re-check every queue (after a poll: workers may have turned ready)."""
+        self.admission.kick_all(lambda model: self.gate)
+
+    def _queue_changed(self, model: str, waiting: int, rejected: str | None) -> None:
+        self.metrics.queue_length.labels(model).set(max(0, waiting))
+        if rejected is not None:
+            self.metrics.rejected.labels(model, rejected).inc()
+
+    def _retry_after(self, model: str) -> float:
+        """Seconds until the queue has likely drained: waiting × mean TTFT / ready replicas."""
+        ready = max(1, len(self.endpoints.ready_for(model)))
+        return (self.admission.waiting(model) + 1) * max(self.mean_ttft_s, 0.1) / ready
+
+    # ------------------------------------------------------------------ the choice
+
+    async def choose(self, candidates: Sequence[Endpoint],
+                     request: RoutingRequest) -> tuple[Endpoint, Prediction]:
+        """The policy's pick, and the prediction for it (the features its TTFT model will be
+        fitted on when the first token comes)."""
+        endpoint = await self.policy.choose(candidates, request)
+        matched = self.context.prefix_index.match(request.shape.blocks) \
+            if request.shape.blocks else {}
+        return endpoint, predict(endpoint, request.shape, matched.get(endpoint.url, 0))
+
+    def dispatched(self, endpoint: Endpoint, request: RoutingRequest) -> None:
+        """``request`` was leased to ``endpoint``: remember its prefix there."""
+        if request.shape.blocks:
+            self.context.prefix_index.record(request.shape.blocks, endpoint.url)
+
+    def first_token(self, endpoint: Endpoint, prediction: Prediction, ttft_s: float,
+                    model: str) -> None:
+        """The worker's first token came ``ttft_s`` after the request was sent there."""
+        endpoint.latency.ttft.update(prediction.features, ttft_s)
+        self.errors.observe(prediction.ttft_s, ttft_s)
+        self.metrics.mape.set(self.errors.mape)
+        self.metrics.prediction_error.observe(abs(prediction.ttft_s - ttft_s))
+        self.mean_ttft_s += EWMA_ALPHA * (ttft_s - self.mean_ttft_s)
+        self.kick(model)
+
+    def finished(self, endpoint: Endpoint, prediction: Prediction, mean_gap_s: float | None,
+                 model: str) -> None:
+        """The exchange ended (any way); ``mean_gap_s``: its mean inter-token gap, if any."""
+        if mean_gap_s is not None:
+            endpoint.latency.itl.update(itl_features(prediction.features[2] + 1), mean_gap_s)
+        self.kick(model)
+

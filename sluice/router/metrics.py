@@ -1,0 +1,49 @@
+"""The router's Prometheus metrics (names in ``sluice.api.metrics``), one registry per app.
+
+Label values are bounded: ``model`` is only ever a model some worker serves (unknown names
+count as ``""``), ``status`` an HTTP status, ``reason`` one of a fixed few.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from sluice.api import metrics as names
+
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                      20.0, 40.0, 80.0)
+ERROR_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class RouterMetrics:
+    """The router's metrics."""
+
+    def __init__(self) -> None:
+        self.registry = reg = CollectorRegistry()
+        self.requests = Counter(names.ROUTER_REQUESTS, "Requests by served model and HTTP status.",
+                                ["model", "status"], registry=reg)
+        self.ttft = Histogram(names.ROUTER_TTFT, "Seconds from request arrival (queueing "
+                              "included) to the first streamed token from the worker.",
+                              buckets=names.TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram(names.ROUTER_ITL, "Seconds between streamed chunks from the worker.",
+                             buckets=names.ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(names.ROUTER_E2E, "Seconds from request arrival to the end of the "
+                             "worker's response.", buckets=names.E2E_BUCKETS, registry=reg)
+        self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "Requests being served by a worker.",
+                               registry=reg)
+        self.queue_length = Gauge(names.ROUTER_QUEUE_LENGTH, "Requests waiting in the router's "
+                                  "admission queue, by model.", ["model"], registry=reg)
+        self.rejected = Counter(names.ROUTER_REJECTED, "Requests answered 429 by admission "
+                                "control, by model and reason (queue_full, queue_timeout).",
+                                ["model", "reason"], registry=reg)
+        self.queue_wait = Histogram(names.ROUTER_QUEUE_WAIT, "Seconds admitted requests waited "
+                                    "in the router's queue.", buckets=QUEUE_WAIT_BUCKETS,
+                                    registry=reg)
+        self.retries = Counter(names.ROUTER_RETRIES, "Requests sent to a second worker after the "
+                               "first died before answering.", registry=reg)
+        self.mape = Gauge(names.ROUTER_TTFT_PREDICTION_MAPE, "Mean absolute percentage error of "
+                          "the TTFT predictor over its last 500 predictions (0.2 = 20 %).",
+                          registry=reg)
+        self.prediction_error = Histogram(names.ROUTER_TTFT_PREDICTION_ERROR, "Absolute error "
+                                          "of each TTFT prediction, seconds.",
+                                          buckets=ERROR_BUCKETS, registry=reg)
