@@ -145,7 +145,7 @@ def test_unlisted_endpoints_are_not_polled():
             endpoints.sync(["http://b"], [MODEL])
             seen.clear()
             await endpoints.poll(client)
-            assert sorted(seen) == ["http://b/health", "http://b/v1/models"]
+            assert sorted(seen) == ["http://b/health", "http://b/metrics", "http://b/v1/models"]
             assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://b"]
 
     asyncio.new_event_loop().run_until_complete(scenario())

@@ -1,0 +1,178 @@
+"""The dispatcher between parsing and proxying: objectives and priorities from headers,
+the InferenceService and flags; the admission gate; load reports; bounded state under a
+long run of requests (no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+
+import pytest
+
+from sluice.api import metrics as names
+from sluice.router.admission import Rejected
+from sluice.router.discovery import ServiceView, objectives, service_view
+from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
+from sluice.router.endpoints import Endpoint, EndpointSet, Lease, WorkerLoad
+from sluice.router.metrics import RouterMetrics
+
+MODEL = "m"
+
+
+def run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+def fleet(n: int = 2, **settings) -> tuple[EndpointSet, Dispatcher]:
+    endpoints = EndpointSet([f"http://w{i}" for i in range(n)])
+    for e in endpoints:
+        e.ready, e.models, e.models_known = True, {MODEL: {"id": MODEL}}, True
+    return endpoints, Dispatcher(endpoints, DispatchSettings(**settings), RouterMetrics())
+
+
+BODY = {"model": MODEL, "prompt": "Tell me a story. " * 20, "stream": True}
+
+
+# ------------------------------------------------------------------ objectives, priority
+
+def test_service_view_and_objectives_from_inferenceservices():
+    isvc = {"spec": {"model": {"name": "A"}, "slo": {"ttftMs": 500, "itlMs": 50.5}}}
+    assert service_view(isvc) == ServiceView("A", 500.0, 50.5)
+    assert service_view({"spec": {"model": {"name": "B"}, "slo": {"ttftMs": True}}}) == \
+        ServiceView("B", None, None)
+    assert service_view({}) == ServiceView(None)
+    views = {"x": ServiceView("A", 500.0), "w": ServiceView("A", 900.0),
+             "y": ServiceView("B"), "z": ServiceView(None, 100.0)}
+    assert objectives(views) == {"A": (900.0, None)}  # sorted by name: "w" first
+
+
+def test_objectives_headers_then_inferenceservice_then_flags():
+    endpoints, d = fleet(slo_ttft_ms=2000.0, slo_itl_ms=None)
+    r = d.routing_request(BODY, {}, arrival=100.0)
+    assert r.ttft_slo_s == 2.0 and r.deadline == 102.0 and r.itl_slo_s is None
+    assert r.priority == 0 and r.stream and r.shape.tokens > 50
+    endpoints.sync([e.url for e in endpoints], [MODEL], {MODEL: (300.0, 40.0)})
+    r = d.routing_request(BODY, {}, arrival=100.0)
+    assert (r.ttft_slo_s, r.itl_slo_s) == (0.3, 0.04)
+    r = d.routing_request(BODY, {"x-slo-ttft-ms": "150", "x-slo-itl-ms": "20"}, arrival=100.0)
+    assert (r.ttft_slo_s, r.itl_slo_s, r.deadline) == (0.15, 0.02, 100.15)
+    _, none = fleet(slo_ttft_ms=None)
+    r = none.routing_request(BODY, {}, arrival=1.0)
+    assert r.ttft_slo_s is None and r.deadline is None and math.isinf(r.budget_s(5.0))
+
+
+def test_priority_from_header_or_body():
+    _, d = fleet()
+    assert d.routing_request({**BODY, "priority": 3}, {}, 0).priority == 3
+    assert d.routing_request({**BODY, "priority": 3}, {"x-priority": "-2"}, 0).priority == -2
+
+
+@pytest.mark.parametrize("headers, body, param", [
+    ({"x-slo-ttft-ms": "soon"}, {}, "x-slo-ttft-ms"),
+    ({"x-slo-ttft-ms": "0"}, {}, "x-slo-ttft-ms"),
+    ({"x-slo-itl-ms": "nan"}, {}, "x-slo-itl-ms"),
+    ({"x-priority": "high"}, {}, "x-priority"),
+    ({}, {"priority": True}, "priority"),
+    ({}, {"priority": 1e30}, "priority"),
+])
+def test_bad_routing_headers(headers, body, param):
+    _, d = fleet()
+    with pytest.raises(BadRoutingHeader) as info:
+        d.routing_request({**BODY, **body}, headers, 0)
+    assert info.value.param == param
+
+
+# ------------------------------------------------------------------ load reports
+
+def test_worker_load_from_headers_and_scrape():
+    headers = {"x-sluice-num-running": "3", "x-sluice-num-waiting": "1",
+               "x-sluice-kv-cache-usage": "0.25", "x-sluice-queued-prefill-tokens": "700"}
+    assert WorkerLoad.from_headers(headers, 5.0) == WorkerLoad(3, 1, 0.25, 700, 5.0)
+    assert WorkerLoad.from_headers({}, 5.0) is None
+    assert WorkerLoad.from_headers({"x-sluice-num-running": "x"}, 5.0) is None
+    text = (f'# HELP x\n{names.NUM_RUNNING}{{model_name="m"}} 2.0\n'
+            f'{names.NUM_WAITING}{{model_name="m"}} 4.0\n{names.KV_CACHE_USAGE}{{model_name="m"}} 0.5\n'
+            f'{names.QUEUED_PREFILL_TOKENS}{{model_name="m"}} 1200.0\n')
+    assert WorkerLoad.from_metrics(text, 1.0) == WorkerLoad(2, 4, 0.5, 1200, 1.0)
+    assert WorkerLoad.from_metrics("nothing here", 1.0) is None
+
+
+def test_lease_counts_prefill_until_the_first_token():
+    e = Endpoint("http://w")
+    a, b = Lease(e, prefill_tokens=100), Lease(e, prefill_tokens=50)
+    assert (e.in_flight, e.prefilling, e.prefill_tokens) == (2, 2, 150)
+    assert a.first_token() and not a.first_token()
+    assert (e.in_flight, e.prefilling, e.prefill_tokens, e.running()) == (2, 1, 50, 1)
+    a.release()
+    b.release()  # released before its first token: its prefill is dropped too
+    assert (e.in_flight, e.prefilling, e.prefill_tokens) == (0, 0, 0)
+
+
+# ------------------------------------------------------------------ the gate
+
+def test_gate_work_conserving_then_predicted_ttft():
+    endpoints, d = fleet(2, slo_ttft_ms=1000.0)
+    r = d.routing_request(BODY, {}, arrival=time.monotonic())
+    assert d.gate(r)  # idle fleet
+    leases = [Lease(e, prefill_tokens=50_000) for e in endpoints]  # long prefills ahead
+    assert not d.gate(r)  # each replica busy and predicted far above 1 s
+    leases[0].first_token()  # w0's prefill is done: it has no prefill in flight
+    assert d.gate(r)
+    no_slo = fleet(2, slo_ttft_ms=None)[1]
+    assert no_slo.gate(no_slo.routing_request(BODY, {}, arrival=0))
+
+
+def test_full_queue_answers_rejected_with_retry_after():
+    endpoints, d = fleet(1, slo_ttft_ms=100.0, max_queue=1)
+    for e in endpoints:
+        Lease(e, prefill_tokens=50_000)
+
+    async def scenario():
+        r = d.routing_request(BODY, {}, arrival=time.monotonic())
+        waiting = asyncio.create_task(d.admit(r))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Rejected) as info:
+            await d.admit(r)
+        assert info.value.retry_after_s >= 1
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+    run(scenario())
+    assert d.metrics.registry.get_sample_value(
+        names.ROUTER_REJECTED, {"model": MODEL, "reason": "queue_full"}) == 1.0
+    assert d.metrics.registry.get_sample_value(names.ROUTER_QUEUE_LENGTH, {"model": MODEL}) == 0
+
+
+# ------------------------------------------------------------------ bounded under load
+
+def test_state_stays_bounded_over_many_requests():
+    """10,000 requests with distinct prompts through choose/lease/first token/finish: every
+    counter returns to zero, no queue is left, the prefix index stays at its capacity, the
+    predictor's error window at its size."""
+    endpoints, d = fleet(4, slo_ttft_ms=500.0)
+    d.context.prefix_index.capacity = 1_000
+    rng = random.Random(0)
+
+    async def one(i: int) -> None:
+        body = {"model": MODEL, "prompt": f"tenant {i % 50} " * 30 + str(rng.random()) * 20}
+        r = d.routing_request(body, {}, arrival=time.monotonic())
+        await d.admit(r)
+        endpoint, prediction = await d.choose(endpoints.ready_for(MODEL), r)
+        lease = Lease(endpoint, prediction.features[3] * 1000)
+        d.dispatched(endpoint, r)
+        await asyncio.sleep(0)
+        lease.first_token()
+        d.first_token(endpoint, prediction, 0.05 + rng.random() * 0.05, MODEL)
+        lease.release()
+        d.finished(endpoint, prediction, 0.02, MODEL)
+
+    async def scenario():
+        for start in range(0, 10_000, 100):
+            await asyncio.gather(*(one(i) for i in range(start, start + 100)))
+
+    run(scenario())
+    assert all((e.in_flight, e.prefilling, e.prefill_tokens) == (0, 0, 0) for e in endpoints)
+    assert d.admission.models() == [] and len(d.context.prefix_index) <= 1_000
+    assert len(d.errors) == 500 and 0 <= d.errors.mape < 10
