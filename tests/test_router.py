@@ -259,15 +259,19 @@ def normalized(raw: bytes) -> bytes:
 @slow
 @pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT),
                                         ("/v1/completions", COMPLETION)])
-def test_stream_bytes_identical_to_direct(router, workers, path, body):
+@pytest.mark.parametrize("usage", [False, True])
+def test_stream_bytes_identical_to_direct(router, workers, path, body, usage):
+    body = {**body, "stream": True, **({"stream_options": {"include_usage": True}} if usage else {})}
+
     def raw_stream(base: str) -> bytes:
-        with httpx.stream("POST", f"{base}{path}", json={**body, "stream": True}, timeout=60) as r:
+        with httpx.stream("POST", f"{base}{path}", json=body, timeout=60) as r:
             assert r.status_code == 200
             return b"".join(r.iter_raw())
 
     direct = raw_stream(workers[0])
     proxied = raw_stream(router)
     assert direct.count(b"data: ") > 3
+    assert (b'"prompt_tokens"' in direct) == usage
     assert normalized(proxied) == normalized(direct)
 
 

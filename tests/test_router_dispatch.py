@@ -158,10 +158,12 @@ def test_state_stays_bounded_over_many_requests():
     async def one(i: int) -> None:
         body = {"model": MODEL, "prompt": f"tenant {i % 50} " * 30 + str(rng.random()) * 20}
         r = d.routing_request(body, {}, arrival=time.monotonic())
-        await d.admit(r)
+        released = await d.admit(r)
         endpoint, prediction = await d.choose(endpoints.ready_for(MODEL), r)
         lease = Lease(endpoint, prediction.features[3] * 1000)
         d.dispatched(endpoint, r)
+        if released:
+            d.settled(MODEL)
         await asyncio.sleep(0)
         lease.first_token()
         d.first_token(endpoint, prediction, 0.05 + rng.random() * 0.05, MODEL)

@@ -209,16 +209,21 @@ async def route_request(request: Request, path: str) -> Response:
     except BadRoutingHeader as exc:
         return _count(state, model, openai_error(400, str(exc), "invalid_request_error",
                                                  exc.param))
+    released = False
     if state.endpoints.ready_for(model):
         try:
-            await _unless_disconnected(request.receive, state.dispatcher.admit(routing))
+            released = await _unless_disconnected(request.receive, state.dispatcher.admit(routing))
         except Rejected as exc:
             response = openai_error(429, str(exc), "rate_limit_error", code=exc.reason)
             response.headers["Retry-After"] = str(exc.retry_after_s)
             return _count(state, model, response)
         except ClientDisconnected:
             return _count(state, model, Response(status_code=CLIENT_CLOSED))
-    return await _dispatch(request, state, routing, raw, path, start)
+    try:
+        return await _dispatch(request, state, routing, raw, path, start)
+    finally:
+        if released:  # (normally settled at its lease already; this covers giving up)
+            state.dispatcher.settled(model)
 
 
 async def _dispatch(request: Request, state: RouterState, routing: RoutingRequest, raw: bytes,
@@ -231,6 +236,7 @@ async def _dispatch(request: Request, state: RouterState, routing: RoutingReques
     while candidates := [e for e in state.endpoints.ready_for(model) if e.url not in tried]:
         endpoint, prediction = await state.dispatcher.choose(candidates, routing)
         exchange = _Exchange(state, routing, endpoint, start, prediction)
+        state.dispatcher.settled(model)  # its load is visible now: the queue may go on
         try:
             return await _forward(request, state, endpoint, path, raw, headers, exchange)
         except _TryElsewhere as exc:

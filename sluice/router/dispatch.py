@@ -35,6 +35,7 @@ HEADER_TTFT = "x-slo-ttft-ms"
 HEADER_ITL = "x-slo-itl-ms"
 HEADER_PRIORITY = "x-priority"
 EWMA_ALPHA = 0.1
+RELEASE_HOLD_S = 1.0  # a released request that never settles blocks its queue this long
 
 
 class BadRoutingHeader(ValueError):
@@ -115,6 +116,9 @@ class Dispatcher:
             settings.max_queue, settings.queue_timeout, self._retry_after, self._queue_changed)
         self.errors = ErrorTracker()
         self.mean_ttft_s = 0.0  # EWMA of observed TTFTs (Retry-After estimates)
+        # model → when its queue last released a request that has not been leased yet:
+        # until it is, the load the gate reads does not show it, so nothing else goes
+        self._releasing: dict[str, float] = {}
 
     # ------------------------------------------------------------------ the request's view
 
@@ -154,6 +158,9 @@ class Dispatcher:
 
     def gate(self, request: RoutingRequest) -> bool:
         """True when ``request`` may be sent now (see the module docstring)."""
+        released = self._releasing.get(request.model)
+        if released is not None and time.monotonic() - released < RELEASE_HOLD_S:
+            return False
         candidates = self.endpoints.ready_for(request.model)
         if not candidates or request.deadline is None:
             return True  # nothing to wait for: the proxy answers (503 without workers)
@@ -164,8 +171,9 @@ class Dispatcher:
         return any(p.ttft_s <= budget
                    for p in predict_all(candidates, request, self.context.prefix_index, now))
 
-    async def admit(self, request: RoutingRequest) -> float:
-        """Wait until ``request`` may be sent; the seconds it waited.
+    async def admit(self, request: RoutingRequest) -> bool:
+        """Wait until ``request`` may be sent. True when it waited in the queue: then the
+        caller must call ``settled`` once it is leased to an endpoint (or given up).
 
         Raises:
             Rejected: its model's queue is full (or it waited too long).
@@ -174,10 +182,17 @@ class Dispatcher:
             request.model, request, request.priority,
             request.deadline if request.deadline is not None else math.inf, self.gate)
         self.metrics.queue_wait.observe(waited)
-        return waited
+        return waited > 0
+
+    def settled(self, model: str) -> None:
+        """A request released from ``model``'s queue was leased (or gave up): the gate
+        sees its load now, so the queue may release the next one."""
+        if self._releasing.pop(model, None) is not None:
+            self.kick(model)
 
     def kick(self, model: str) -> None:
-        self.admission.kick(model, self.gate)
+        if self.admission.kick(model, self.gate):
+            self._releasing[model] = time.monotonic()
 
     def tick(self) -> None:
         """Re-check every queue (after a poll: workers may have turned ready)."""
