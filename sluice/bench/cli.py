@@ -15,6 +15,8 @@ import json
 import logging
 import sys
 
+from rich.console import Console
+
 from sluice.bench import report, schedule, workload
 from sluice.bench.runner import LoadConfig, run as run_load
 
@@ -56,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "with group i%%G's shared prefix")
     g.add_argument("--prefix-tokens", type=int, default=0, help="P: shared prefix tokens; a "
                    "prompt is then P shared + --input-len own tokens")
-    g.add_argument("--dataset", help='JSONL file, one {"prompt": ..., "max_tokens": ...} a line')
+    g.add_argument("--dataset", help='JSONL file, one {"prompt": ..., "max_tokens": ...} a '
+                   "line (no max_tokens: the first number of --output-len)")
     g.add_argument("--trace", help="replay a trace: Azure 2023 CSV or Mooncake JSONL (lengths "
                    "and arrival times)")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival "
@@ -133,18 +136,18 @@ def _take(it, n):
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
     try:
+        if (args.concurrency is not None and args.concurrency < 1) or (args.rate is not None
+                                                                       and args.rate <= 0):
+            raise ValueError("--concurrency and --rate must be positive")
+        extra = json.loads(args.extra_body) if args.extra_body else None
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object")
         tok = workload.Tokenizer(workload.resolve_tokenizer(args.tokenizer, args.model))
         specs, arrivals, open_loop, n = _workload(args, tok)
         warmup = list(_take(workload.synthetic(workload.PromptBuilder(tok),
                                                workload.LengthDist("fixed", 32),
                                                workload.LengthDist("fixed", 8),
                                                seed=args.seed + 1_000_003), args.warmup))
-        extra = json.loads(args.extra_body) if args.extra_body else None
-        if extra is not None and not isinstance(extra, dict):
-            raise ValueError("--extra-body must be a JSON object")
-        if (args.concurrency is not None and args.concurrency < 1) or (args.rate is not None
-                                                                       and args.rate <= 0):
-            raise ValueError("--concurrency and --rate must be positive")
     except (ValueError, OSError) as exc:
         print(f"sluice bench: {exc}", file=sys.stderr)
         return 2
@@ -159,15 +162,12 @@ def run(args: argparse.Namespace) -> int:
     records = result.records
     summary = report.summarize(records, args.slo_ttft_ms, args.slo_itl_ms,
                                args.slo_itl_percentile, args.cost_per_hour, args.replicas)
-    from rich.console import Console
-
     mode = (f"open loop, {args.rate:g} req/s {args.arrival}" if args.rate
             else "trace replay" if args.trace else f"closed loop, concurrency {cfg.concurrency}")
     Console().print(report.table(summary, title=f"sluice bench: {args.model} @ {args.url} "
                                                 f"({mode})"))
     if args.output:
-        config = {k: v for k, v in vars(args).items() if k != "func"}
-        report.write_json(args.output, config, summary, records, result.started_at)
+        report.write_json(args.output, vars(args), summary, records, result.started_at)
         print(f"wrote {args.output}")
     if args.plot:
         for path in report.plot(args.plot, records):
@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_with_progress(cfg, specs, tok, arrivals, warmup, total, quiet):
+    """The run, with a rich progress bar on stderr unless ``quiet``."""
     if quiet:
         return asyncio.run(run_load(cfg, specs, tok, arrivals, warmup))
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -183,13 +184,13 @@ def _run_with_progress(cfg, specs, tok, arrivals, warmup, total, quiet):
 
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("errors {task.fields[errors]}"), TimeElapsedColumn()]
-    from rich.console import Console
-
+    errors = 0
     with Progress(*columns, console=Console(stderr=True)) as progress:
         task = progress.add_task("requests", total=total, errors=0)
 
         def done(record):
-            progress.update(task, advance=1,
-                            errors=progress.tasks[task].fields["errors"] + (not record.ok))
+            nonlocal errors
+            errors += not record.ok
+            progress.update(task, advance=1, errors=errors)
 
         return asyncio.run(run_load(cfg, specs, tok, arrivals, warmup, done))
