@@ -138,14 +138,15 @@ def wait_for(what: str, check: Callable[[], T | None], timeout_s: float,
              state: Callable[[], str] | None = None) -> T:
     """check() until it returns something truthy, polling with backoff (0.5 → 3 s).
 
-    On timeout the test fails naming `what`, the last value seen (or check's last error),
-    and state() (what the cluster looks like)."""
+    An exception from check() counts as "not yet" (an API or router blip). On timeout the
+    test fails naming `what`, the last value seen (or check's last error), and state() (what
+    the cluster looks like)."""
     deadline, delay = time.monotonic() + timeout_s, 0.5
     last: Any = None
     while True:
         try:
             last = check()
-        except KubectlError as exc:  # a transient API failure: not yet
+        except Exception as exc:  # noqa: BLE001 - pytest.fail/skip are BaseExceptions: not here
             last = exc
         else:
             if last:
@@ -245,7 +246,7 @@ class Sluice:
     restart_operator: Callable[[], None] = lambda: None
 
     @property
-    def namespaced_release_selector(self) -> str:
+    def release_selector(self) -> str:
         return f"app.kubernetes.io/instance={self.release}"
 
     def isvc(self, name: str) -> dict | None:
@@ -259,7 +260,7 @@ class Sluice:
         proc = self.processes.get(component)
         if proc:
             return tail(proc.log, lines)
-        selector = f"{self.namespaced_release_selector},app.kubernetes.io/component={component}"
+        selector = f"{self.release_selector},app.kubernetes.io/component={component}"
         out = self.kubectl.run("logs", "-l", selector, "--all-containers", "--prefix",
                                f"--tail={lines}", check=False, timeout=20)
         return (out.stdout + out.stderr).strip()
@@ -314,10 +315,6 @@ def _pod_line(pod: dict) -> str:
             bits.append(f"{cs['name']}:{kind}{'(' + reason + ')' if reason else ''}"
                         f" ready={cs.get('ready')} restarts={cs.get('restartCount')}")
     return "  ".join(bits)
-
-
-def _env(base: dict[str, str], **extra: str) -> dict[str, str]:
-    return {**base, **extra}
 
 
 @pytest.fixture(scope="session")
@@ -471,7 +468,7 @@ def _local_processes(system: Sluice, env: dict[str, str]):
 def _chart_deployments(system: Sluice) -> None:
     """Wait for the chart's operator and router Deployments; restart_operator restarts it."""
     k = system.kubectl
-    selector = system.namespaced_release_selector
+    selector = system.release_selector
     for component in ("operator", "router"):
         sel = f"{selector},app.kubernetes.io/component={component}"
         deployments = k.get("deployments", selector=sel)
@@ -491,7 +488,7 @@ def _chart_deployments(system: Sluice) -> None:
 
 
 def _router_service(system: Sluice) -> dict:
-    selector = f"{system.namespaced_release_selector},app.kubernetes.io/component=router"
+    selector = f"{system.release_selector},app.kubernetes.io/component=router"
     services = system.kubectl.get("services", selector=selector)
     assert services, f"the chart installed no router Service ({selector})\n{system.state()}"
     return services[0]

@@ -50,6 +50,16 @@ def client(sluice: Sluice, timeout_s: float = 120.0) -> openai.OpenAI:
                          timeout=timeout_s, http_client=httpx.Client(trust_env=False))
 
 
+def router_ready(sluice: Sluice, model: str) -> set[str]:
+    """The worker URLs the router would send `model` to now (its /health body)."""
+    resp = httpx.get(f"{sluice.router_url}/health", timeout=10, trust_env=False)
+    return {w["url"] for w in resp.json()["workers"] if w["ready"] and model in w["models"]}
+
+
+def pod_urls(pods: list[dict]) -> set[str]:
+    return {f"http://{p['status']['podIP']}:8000" for p in pods}
+
+
 def ready_pods(sluice: Sluice, selector: str) -> list[dict]:
     """Pods of the selector that are Ready and not terminating."""
     return [p for p in sluice.pods(selector) if not p["metadata"].get("deletionTimestamp")
@@ -287,9 +297,11 @@ class TestLifecycle:
 
     def test_chat_through_the_router(self, sluice: Sluice, served: dict):
         oai = client(sluice)
-        wait_for(f"the router to list {served['model']}",
-                 lambda: served["model"] in [m.id for m in oai.models.list().data],
+        pods = ready_pods(sluice, sluice.isvc(served["name"])["status"]["selector"])
+        wait_for(f"the router to route {served['model']} to the ready pod",
+                 lambda: router_ready(sluice, served["model"]) == pod_urls(pods),
                  SHORT_TIMEOUT_S, isvc_state(sluice, served["name"]))
+        assert served["model"] in [m.id for m in oai.models.list().data]
         reply = oai.chat.completions.create(
             model=served["model"], messages=[{"role": "user", "content": PROMPT}],
             max_tokens=32, temperature=0)
@@ -318,7 +330,9 @@ class TestLifecycle:
         replicasets = {r["metadata"]["uid"] for r in sluice.kubectl.get(
             "replicasets", selector=f"app.kubernetes.io/instance={name}")}
         sluice.restart_operator()
-        time.sleep(3)  # give the new operator its resume pass
+        wait_for("the restarted operator's resume pass", lambda: "Resuming is processed: 1 "
+                 "succeeded; 0 failed" in sluice.logs_of("operator", 300).rsplit(
+                     "=== e2e: starting", 1)[-1], SHORT_TIMEOUT_S, isvc_state(sluice, name))
         isvc = wait_for(f"{name}: still Ready after the operator restart",
                         serving(sluice, name, 1), SHORT_TIMEOUT_S, isvc_state(sluice, name))
         after = sluice.kubectl.get("deployment", f"{name}-worker")
@@ -342,6 +356,9 @@ class TestLifecycle:
         assert deployment["status"].get("readyReplicas") == 2
         pods = ready_pods(sluice, isvc["status"]["selector"])
         assert len(pods) == 2 and len({p["status"]["podIP"] for p in pods}) == 2
+        wait_for("the router to route to both pods",
+                 lambda: router_ready(sluice, served["model"]) == pod_urls(pods),
+                 SHORT_TIMEOUT_S, isvc_state(sluice, name))
         # A replicas-only change scales; it does not roll the pods.
         hashes = {p["metadata"]["labels"]["pod-template-hash"] for p in pods}
         assert len(hashes) == 1, hashes
@@ -399,6 +416,9 @@ class TestLifecycle:
         for pod in pods:
             args = pod["spec"]["containers"][0]["args"]
             assert args[args.index("--max-num-seqs") + 1] == "16", args
+        wait_for("the router to route to the new pods only",
+                 lambda: router_ready(sluice, served["model"]) == pod_urls(pods),
+                 SHORT_TIMEOUT_S, isvc_state(sluice, name))
         reply = oai.chat.completions.create(
             model=served["model"], messages=[{"role": "user", "content": PROMPT}],
             max_tokens=32, temperature=0)
@@ -430,8 +450,9 @@ class TestLifecycle:
                  "processes to be gone", lambda: not leftovers() or None, SHORT_TIMEOUT_S,
                  lambda: f"left: {leftovers()}\n{sluice.state()}")
         oai = client(sluice)
-        wait_for(f"the router to stop listing {served['model']}",
-                 lambda: served["model"] not in [m.id for m in oai.models.list().data],
+        wait_for(f"the router to stop listing {served['model']} and its workers",
+                 lambda: served["model"] not in [m.id for m in oai.models.list().data]
+                 and not router_ready(sluice, served["model"]),
                  SHORT_TIMEOUT_S, lambda: sluice.logs_of("router"))
         with pytest.raises(openai.NotFoundError):
             oai.chat.completions.create(model=served["model"], max_tokens=4,
