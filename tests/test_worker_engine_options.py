@@ -39,3 +39,20 @@ def test_prefix_cache_and_ngram_speculation_metrics(model_path, tmp_path):
     accepted = metric(after, "vllm:spec_decode_num_accepted_tokens_total")
     assert drafted > 0 and 0 < accepted <= drafted
     assert metric(after, "vllm:spec_decode_draft_acceptance_rate") == pytest.approx(accepted / drafted)
+
+
+def test_draft_speculation_flags_are_checked_before_loading(model_path):
+    """A draft method without a draft model, or a draft model not in the store, is a one-line
+    error and exit code 1 before any model is loaded."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "sluice.cli", "worker", "--model", str(model_path), "--port",
+            str(free_port()), "--speculative-method", "draft"]
+    missing = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1
+    assert "speculative_model is needed by, and only by, speculative_method draft" in missing.stderr
+    unknown = subprocess.run(base + ["--speculative-model", "/nonexistent/draft"], capture_output=True,
+                             text=True, timeout=120)
+    assert unknown.returncode == 1
+    assert "/nonexistent/draft/config.json is missing" in unknown.stderr
