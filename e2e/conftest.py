@@ -25,8 +25,9 @@ depends on the cluster:
     otherwise                      `helm install` into a fresh namespace (SLUICE_E2E_VALUES, if
                                    set, is the values file), uninstalled at the end.
 
-In the last two cases the chart's own operator and router Deployments run, and the router
-is reached through `kubectl port-forward`. SLUICE_E2E_HELM names the helm binary (default:
+`make e2e-local` runs the suite in both local modes, one after the other, on one cluster. In
+the last two cases the chart's own operator and router Deployments run, and the router is
+reached through `kubectl port-forward` (not run here: no kind on this machine). SLUICE_E2E_HELM names the helm binary (default:
 scripts/get-helm.sh, which fetches a pinned one).
 
 Every wait has a deadline; a timeout fails with the state of the namespace (objects,
