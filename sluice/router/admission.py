@@ -103,6 +103,12 @@ class AdmissionQueue(Generic[R]):
     def models(self) -> list[str]:
         return list(self._queues)
 
+    def admit_now(self, model: str, request: R, gate: Callable[[R], bool]) -> bool:
+        """The fast path of ``admit``, without awaiting: True when nobody waits for
+        ``model`` and ``gate`` lets ``request`` through."""
+        queue = self._queues.get(model)
+        return (queue is None or queue.head() is None) and gate(request)
+
     async def admit(self, model: str, request: R, priority: int, deadline: float,
                     gate: Callable[[R], bool]) -> float:
         """Return once ``request`` may be dispatched; the seconds it waited.
@@ -117,9 +123,9 @@ class AdmissionQueue(Generic[R]):
         Raises:
             Rejected: the queue is full, or the request waited past ``queue_timeout``.
         """
-        queue = self._queues.get(model)
-        if (queue is None or queue.head() is None) and gate(request):
+        if self.admit_now(model, request, gate):
             return 0.0
+        queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = _ModelQueue()
         if queue.waiting() >= self.max_queue:

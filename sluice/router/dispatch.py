@@ -171,6 +171,13 @@ class Dispatcher:
         return any(p.ttft_s <= budget
                    for p in predict_all(candidates, request, self.context.prefix_index, now))
 
+    def admit_now(self, request: RoutingRequest) -> bool:
+        """True when ``request`` may go at once (nobody queued, the gate open)."""
+        if self.admission.admit_now(request.model, request, self.gate):
+            self.metrics.queue_wait.observe(0.0)
+            return True
+        return False
+
     async def admit(self, request: RoutingRequest) -> bool:
         """Wait until ``request`` may be sent. True when it waited in the queue: then the
         caller must call ``settled`` once it is leased to an endpoint (or given up).

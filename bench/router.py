@@ -1,0 +1,473 @@
+"""Router benchmarks: (1) the router's own overhead, (2) routing quality.
+
+1. Overhead. The same closed-loop ``sluice bench`` load against one upstream, three ways:
+   direct, through ``sluice router``, through ``vllm-router`` (the Rust router from the vLLM
+   project, PyPI ``vllm-router``, run from its own venv). The upstream is a *null worker*
+   (this script, ``--serve-null``): an OpenAI-shaped server that streams ``--null-tokens``
+   SSE chunks at once, so the latency added by a router is not buried under model time. A
+   low-concurrency run gives the added p50/p99 end-to-end latency; a high-concurrency run
+   the most requests/s each path carries (on this machine the load generator, the router
+   and the null worker share the CPUs: the ratio between paths is the figure to read).
+
+2. Routing quality. ``--replicas`` real ``sluice worker`` processes with small KV pools
+   (``--kv-cache-gib``; one thread each), a multi-tenant workload (``--prefix-groups`` G
+   system prompts of ``--prefix-tokens`` P tokens, each request P + ``--input-len`` tokens,
+   ``--output-len`` out, Poisson ``--rate``), the same request sequence for each policy:
+   round-robin, least-load, prefix, slo. Reported: TTFT p50/p90, goodput (requests/s
+   meeting ``--slo-ttft-ms``) and the workers' prefix-cache hit rate. Between policies every
+   worker's prefix cache is flushed with unrelated prompts, so no policy inherits another's
+   cache. G is taken coprime with the replica count: sluice bench assigns request i to group
+   i mod G, and with G a multiple of the replicas round-robin would get perfect affinity
+   by accident.
+
+    .venv/bin/python bench/router.py [--only overhead|quality] [--num-requests N] ...
+
+Prints tables and writes JSON (default bench/results/router.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sluice.api import metrics as names  # noqa: E402
+from sluice.models import store  # noqa: E402
+
+PYTHON = sys.executable
+VLLM_ROUTER_VENVS = (ROOT / ".venv-vllm-router", Path("/tmp/vllm-router-venv"),
+                     Path("/tmp/vr-venv"))
+POLICIES = ("round-robin", "least-load", "prefix", "slo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ---------------------------------------------------------------------------- null worker
+
+def serve_null(port: int, tokens: int, model: str) -> None:
+    """An OpenAI-shaped upstream with no model: /health, /v1/models, /metrics, and
+    POST /v1/completions or /v1/chat/completions answered at once (``tokens`` SSE chunks
+    when streaming, one JSON body otherwise). Raw asyncio HTTP/1.1 with keep-alive."""
+    models = json.dumps({"object": "list", "data": [
+        {"id": model, "object": "model", "owned_by": "sluice", "max_model_len": 8192}]})
+
+    def chunk(i: int) -> bytes:
+        event = json.dumps({"id": "cmpl-null", "object": "text_completion", "created": 0,
+                            "model": model, "choices": [{"index": 0, "text": " x",
+                                                         "logprobs": None,
+                                                         "finish_reason": None if i < tokens - 1
+                                                         else "length"}]})
+        return f"data: {event}\n\n".encode()
+
+    stream_body = b"".join(chunk(i) for i in range(tokens)) + b"data: [DONE]\n\n"
+    plain = json.dumps({"id": "cmpl-null", "object": "text_completion", "created": 0,
+                        "model": model, "choices": [{"index": 0, "text": " x" * tokens,
+                                                     "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": tokens,
+                                  "total_tokens": tokens + 1}}).encode()
+
+    def response(status: str, content_type: str, body: bytes) -> bytes:
+        return (f"HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path = lines[0].split(" ")[:2]
+                length = 0
+                for line in lines[1:]:
+                    key, _, value = line.partition(":")
+                    if key.strip().lower() == "content-length":
+                        length = int(value)
+                body = await reader.readexactly(length) if length else b""
+                if method == "GET" and path == "/v1/models":
+                    writer.write(response("200 OK", "application/json", models.encode()))
+                elif method == "GET":
+                    writer.write(response("200 OK", "application/json", b"{}"))
+                elif b'"stream": true' in body or b'"stream":true' in body:
+                    writer.write(response("200 OK", "text/event-stream", stream_body))
+                else:
+                    writer.write(response("200 OK", "application/json", plain))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- processes
+
+class Proc:
+    """A child process in its own session, with a log; ``ready`` polls a URL."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict | None = None):
+        self.log = log
+        self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     cwd=ROOT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+
+    def ready(self, url: str, timeout: float = 300.0, ok=(200,)) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.log.name} exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(url, timeout=2).status_code in ok:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{url} not ready in {timeout:.0f} s; log {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def start_router(workers: list[str], log: Path, *extra: str) -> tuple[Proc, str]:
+    port = free_port()
+    argv = [PYTHON, "-m", "sluice.cli", "--log-level", "WARNING", "router", "--port", str(port),
+            *extra]
+    for url in workers:
+        argv += ["--worker", url]
+    proc = Proc(argv, log)
+    url = f"http://127.0.0.1:{port}"
+    proc.ready(f"{url}/health", 60)
+    return proc, url
+
+
+def vllm_router_binary() -> tuple[Path | None, str]:
+    """The ``vllm-router`` console script, or None and why not."""
+    found = shutil.which("vllm-router")
+    if found:
+        return Path(found), "on PATH"
+    for venv in VLLM_ROUTER_VENVS:
+        candidate = venv / "bin" / "vllm-router"
+        if candidate.exists():
+            return candidate, f"from {venv}"
+    return None, ("vllm-router is not installed; install it with `python -m venv "
+                  "/tmp/vllm-router-venv && /tmp/vllm-router-venv/bin/pip install vllm-router`")
+
+
+def start_vllm_router(binary: Path, workers: list[str], log: Path) -> tuple[Proc, str]:
+    port = free_port()
+    argv = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+            "--worker-urls", *workers, "--prometheus-port", str(free_port()),
+            "--log-level", "warning", "--health-check-interval-secs", "1"]
+    proc = Proc(argv, log)
+    url = f"http://127.0.0.1:{port}"
+    proc.ready(f"{url}/health", 60)
+    return proc, url
+
+
+def bench(url: str, model: str, tokenizer: Path, out: Path, *args: str) -> dict:
+    """One ``sluice bench`` run (a subprocess); its summary."""
+    argv = [PYTHON, "-m", "sluice.cli", "--log-level", "WARNING", "bench", "--url", url,
+            "--model", model, "--tokenizer", str(tokenizer), "--quiet", "--output", str(out),
+            *args]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"sluice bench failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())["summary"]
+
+
+# ---------------------------------------------------------------------------- 1. overhead
+
+def overhead(args, model: Path, tmp: Path) -> dict:
+    null_port = free_port()
+    null = Proc([PYTHON, __file__, "--serve-null", str(null_port), "--null-tokens",
+                 str(args.null_tokens)], tmp / "null.log")
+    upstream = f"http://127.0.0.1:{null_port}"
+    procs = [null]
+    result: dict = {"upstream": f"null worker, {args.null_tokens} SSE chunks per request",
+                    "input_len": 32, "paths": {}}
+    try:
+        null.ready(f"{upstream}/health", 30)
+        paths = {"direct": upstream}
+        router, paths["sluice"] = start_router([upstream], tmp / "router.log")
+        procs.append(router)
+        binary, how = vllm_router_binary()
+        if binary is None:
+            result["vllm_router"] = {"ran": False, "why": how}
+        else:
+            try:
+                vrouter, paths["vllm-router"] = start_vllm_router(binary, [upstream],
+                                                                   tmp / "vllm-router.log")
+                procs.append(vrouter)
+                result["vllm_router"] = {"ran": True, "binary": how}
+            except (RuntimeError, TimeoutError) as exc:
+                result["vllm_router"] = {"ran": False, "why": f"did not start: {exc}"}
+        for name, url in paths.items():  # warm every path once
+            bench(url, model.name, model, tmp / f"warm-{name}.json", "--concurrency", "2",
+                  "--num-requests", "20", "--input-len", "32", "--output-len",
+                  str(args.null_tokens), "--warmup", "2")
+        for level, concurrency in (("latency", args.latency_concurrency),
+                                   ("throughput", args.throughput_concurrency)):
+            for round_ in range(args.rounds):  # interleaved: drifts in machine load hit all
+                for name, url in paths.items():
+                    s = bench(url, model.name, model, tmp / f"{level}-{name}-{round_}.json",
+                              "--concurrency", str(concurrency), "--num-requests",
+                              str(args.overhead_requests), "--input-len", "32",
+                              "--output-len", str(args.null_tokens), "--warmup", "4",
+                              "--seed", str(round_))
+                    row = result["paths"].setdefault(name, {}).setdefault(level, [])
+                    row.append({"rps": s["rps"], "e2e_p50_ms": s["e2e_ms"]["p50"],
+                                "e2e_p99_ms": s["e2e_ms"]["p99"], "failed": s["failed"]})
+        result["summary"] = summarize_overhead(result["paths"])
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    return result
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def summarize_overhead(paths: dict) -> dict:
+    """Per path: median over rounds of p50/p99 (latency runs) and of req/s (throughput
+    runs); added latency = path − direct."""
+    out: dict = {}
+    for name, levels in paths.items():
+        lat, thr = levels.get("latency", []), levels.get("throughput", [])
+        out[name] = {"e2e_p50_ms": _median([r["e2e_p50_ms"] for r in lat]),
+                     "e2e_p99_ms": _median([r["e2e_p99_ms"] for r in lat]),
+                     "max_rps": _median([r["rps"] for r in thr]),
+                     "failed": sum(r["failed"] for r in lat + thr)}
+    direct = out.get("direct")
+    for name, row in out.items():
+        if direct and name != "direct":
+            row["added_p50_ms"] = row["e2e_p50_ms"] - direct["e2e_p50_ms"]
+            row["added_p99_ms"] = row["e2e_p99_ms"] - direct["e2e_p99_ms"]
+    if "sluice" in out and "vllm-router" in out and out["vllm-router"]["max_rps"]:
+        out["sluice_vs_vllm_router_rps"] = out["sluice"]["max_rps"] / out["vllm-router"]["max_rps"]
+    return out
+
+
+# ---------------------------------------------------------------------------- 2. quality
+
+def coprime_groups(groups: int, replicas: int) -> int:
+    while math.gcd(groups, replicas) != 1:
+        groups += 1
+    return groups
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(
+            rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+    return total(names.PREFIX_CACHE_HITS), total(names.PREFIX_CACHE_QUERIES)
+
+
+def flush(workers: list[str], model: str, tokens: int) -> None:
+    """Evict every cached prefix: unrelated prompts of ``tokens`` tokens, sent directly."""
+    words = ("amber", "basalt", "cobalt", "delta", "ember", "fjord", "garnet", "harbor")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            await asyncio.gather(*(client.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": " ".join(words[(i * 7 + j) % 8] + str(j + i * 1000)
+                                                   for j in range(tokens // 3)),
+                "max_tokens": 1}) for url in workers for i in range(3)))
+    asyncio.run(run())
+
+
+def quality(args, model: Path, tmp: Path) -> dict:
+    groups = coprime_groups(args.prefix_groups, args.replicas)
+    result: dict = {"replicas": args.replicas, "kv_cache_gib": args.kv_cache_gib,
+                    "prefix_groups": groups, "prefix_tokens": args.prefix_tokens,
+                    "input_len": args.input_len, "output_len": args.output_len,
+                    "rate": args.rate, "num_requests": args.num_requests,
+                    "slo_ttft_ms": args.slo_ttft_ms, "policies": {}}
+    workers: list[Proc] = []
+    urls: list[str] = []
+    try:
+        for i in range(args.replicas):
+            port = free_port()
+            workers.append(Proc([PYTHON, "-m", "sluice.cli", "--log-level", "WARNING", "worker",
+                                 "--model", str(model), "--port", str(port),
+                                 "--kv-cache-gib", str(args.kv_cache_gib),
+                                 "--max-num-seqs", "16"], tmp / f"worker{i}.log",
+                                env={"OMP_NUM_THREADS": "1"}))
+            urls.append(f"http://127.0.0.1:{port}")
+        for proc, url in zip(workers, urls):
+            proc.ready(f"{url}/health", 600)
+        for policy in args.policies:
+            flush(urls, model.name, args.prefix_tokens + args.input_len + 64)
+            before = [prefix_counters(u) for u in urls]
+            extra = ["--policy", policy, "--slo-ttft-ms",
+                     str(args.slo_ttft_ms) if policy == "slo" else "0"]  # others: no queueing
+            router, url = start_router(urls, tmp / f"router-{policy}.log", *extra)
+            try:
+                s = bench(url, model.name, model, tmp / f"quality-{policy}.json",
+                          "--rate", str(args.rate), "--num-requests", str(args.num_requests),
+                          "--prefix-groups", str(groups), "--prefix-tokens",
+                          str(args.prefix_tokens), "--input-len", str(args.input_len),
+                          "--output-len", str(args.output_len), "--warmup", "0",
+                          "--slo-ttft-ms", str(args.slo_ttft_ms), "--seed", "1")
+                mape = _router_metric(url, names.ROUTER_TTFT_PREDICTION_MAPE)
+            finally:
+                router.stop()
+            after = [prefix_counters(u) for u in urls]
+            hits = sum(a[0] - b[0] for a, b in zip(after, before))
+            queries = sum(a[1] - b[1] for a, b in zip(after, before))
+            result["policies"][policy] = {
+                "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
+                "ttft_p99_ms": s["ttft_ms"]["p99"], "e2e_p50_ms": s["e2e_ms"]["p50"],
+                "rps": s["rps"], "goodput_rps": (s["goodput"] or {}).get("rps"),
+                "goodput_fraction": (s["goodput"] or {}).get("fraction"),
+                "failed": s["failed"], "errors": s["errors"],
+                "prefix_hit_rate": hits / queries if queries else None,
+                "ttft_prediction_mape": mape if policy == "slo" else None,
+                "load_average": load_average()}
+            print(f"{policy}: TTFT p90 {s['ttft_ms']['p90']:.0f} ms, goodput "
+                  f"{(s['goodput'] or {}).get('rps', 0):.2f} req/s", flush=True)
+    finally:
+        for p in workers:
+            p.stop()
+    rr = result["policies"].get("round-robin")
+    if rr:
+        for name, row in result["policies"].items():
+            row["ttft_p90_vs_round_robin"] = (row["ttft_p90_ms"] / rr["ttft_p90_ms"]
+                                              if rr["ttft_p90_ms"] else None)
+            row["goodput_vs_round_robin"] = (row["goodput_rps"] / rr["goodput_rps"]
+                                             if rr["goodput_rps"] else None)
+    return result
+
+
+def _router_metric(url: str, name: str) -> float | None:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    found = re.findall(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found[0]) if found else None
+
+
+# ---------------------------------------------------------------------------- output
+
+def _fmt(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_tables(result: dict) -> None:
+    over = result.get("overhead")
+    if over:
+        print(f"\nRouter overhead ({over['upstream']}; load average {result['load_average']})")
+        print(f"{'path':<12} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
+              f"{'max req/s':>10}")
+        for name, row in over["summary"].items():
+            if not isinstance(row, dict):
+                continue
+            print(f"{name:<12} {_fmt(row['e2e_p50_ms'], 2):>8} {_fmt(row['e2e_p99_ms'], 2):>8} "
+                  f"{_fmt(row.get('added_p50_ms'), 2):>8} {_fmt(row.get('added_p99_ms'), 2):>8} "
+                  f"{_fmt(row['max_rps']):>10}")
+        if "sluice_vs_vllm_router_rps" in over["summary"]:
+            print(f"sluice / vllm-router req/s: {over['summary']['sluice_vs_vllm_router_rps']:.2f}x")
+        if not over.get("vllm_router", {}).get("ran", True):
+            print(f"vllm-router: not run: {over['vllm_router']['why']}")
+    qual = result.get("quality")
+    if qual:
+        print(f"\nRouting quality: {qual['replicas']} workers, KV {qual['kv_cache_gib']} GiB each, "
+              f"{qual['prefix_groups']} tenants × {qual['prefix_tokens']}-token prefix + "
+              f"{qual['input_len']} in / {qual['output_len']} out, Poisson {qual['rate']}/s, "
+              f"{qual['num_requests']} requests, SLO TTFT {qual['slo_ttft_ms']:.0f} ms")
+        print(f"{'policy':<12} {'TTFT p50':>9} {'TTFT p90':>9} {'goodput/s':>10} {'good %':>7} "
+              f"{'hit rate':>9} {'p90 vs rr':>10} {'good vs rr':>11}")
+        for name, row in qual["policies"].items():
+            frac = row["goodput_fraction"]
+            print(f"{name:<12} {_fmt(row['ttft_p50_ms'], 0):>9} {_fmt(row['ttft_p90_ms'], 0):>9} "
+                  f"{_fmt(row['goodput_rps'], 2):>10} {_fmt(frac * 100 if frac is not None else None, 0):>7} "
+                  f"{_fmt(row['prefix_hit_rate'], 2):>9} "
+                  f"{_fmt(row.get('ttft_p90_vs_round_robin'), 2):>10} "
+                  f"{_fmt(row.get('goodput_vs_round_robin'), 2):>11}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", choices=("overhead", "quality"))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "router.json"))
+    g = p.add_argument_group("overhead")
+    g.add_argument("--null-tokens", type=int, default=16)
+    g.add_argument("--latency-concurrency", type=int, default=1)
+    g.add_argument("--throughput-concurrency", type=int, default=32)
+    g.add_argument("--overhead-requests", type=int, default=400)
+    g.add_argument("--rounds", type=int, default=3)
+    g = p.add_argument_group("quality")
+    g.add_argument("--replicas", type=int, default=4)
+    g.add_argument("--kv-cache-gib", type=float, default=0.06)
+    g.add_argument("--prefix-groups", type=int, default=7)
+    g.add_argument("--prefix-tokens", type=int, default=384)
+    g.add_argument("--input-len", default="32")
+    g.add_argument("--output-len", default="16")
+    g.add_argument("--rate", type=float, default=2.0)
+    g.add_argument("--num-requests", type=int, default=80)
+    g.add_argument("--slo-ttft-ms", type=float, default=1500.0)
+    g.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_null:
+        serve_null(args.serve_null, args.null_tokens, store.DEFAULT_MODEL)
+        return 0
+    model = store.fetch(store.DEFAULT_MODEL)
+    result: dict = {"model": model.name, "cpus": os.cpu_count(), "load_average": load_average(),
+                    "settings": {k: v for k, v in vars(args).items() if k != "serve_null"}}
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-router-") as tmp:
+        if args.only in (None, "overhead"):
+            result["overhead"] = overhead(args, model, Path(tmp))
+        if args.only in (None, "quality"):
+            result["quality"] = quality(args, model, Path(tmp))
+    result["load_average_end"] = load_average()
+    print_tables(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
