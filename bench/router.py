@@ -14,9 +14,11 @@
    system prompts of ``--prefix-tokens`` P tokens, each request P + ``--input-len`` tokens,
    ``--output-len`` out, Poisson ``--rate``), the same request sequence for each policy:
    round-robin, least-load, prefix, slo. Reported: TTFT p50/p90, goodput (requests/s
-   meeting ``--slo-ttft-ms``) and the workers' prefix-cache hit rate. Between policies every
-   worker's prefix cache is flushed with unrelated prompts, so no policy inherits another's
-   cache. G is taken coprime with the replica count: sluice bench assigns request i to group
+   meeting ``--slo-ttft-ms``) and the workers' prefix-cache hit rate, as means over
+   ``--quality-rounds`` rounds run in alternating order (ABCD, DCBA: a drift in the machine's
+   load hits every policy alike). Between runs every worker's prefix cache is flushed with
+   unrelated prompts, so no policy inherits another's cache. Only ``slo`` gets an objective
+   (and so the admission queue); the others route without queueing. G is taken coprime with the replica count: sluice bench assigns request i to group
    i mod G, and with G a multiple of the replicas round-robin would get perfect affinity
    by accident.
 
@@ -321,6 +323,7 @@ def quality(args, model: Path, tmp: Path) -> dict:
                     "prefix_groups": groups, "prefix_tokens": args.prefix_tokens,
                     "input_len": args.input_len, "output_len": args.output_len,
                     "rate": args.rate, "num_requests": args.num_requests,
+                    "rounds": args.quality_rounds,
                     "slo_ttft_ms": args.slo_ttft_ms, "policies": {}}
     workers: list[Proc] = []
     urls: list[str] = []
@@ -335,36 +338,20 @@ def quality(args, model: Path, tmp: Path) -> dict:
             urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(workers, urls):
             proc.ready(f"{url}/health", 600)
-        for policy in args.policies:
-            flush(urls, model.name, args.prefix_tokens + args.input_len + 64)
-            before = [prefix_counters(u) for u in urls]
-            extra = ["--policy", policy, "--slo-ttft-ms",
-                     str(args.slo_ttft_ms) if policy == "slo" else "0"]  # others: no queueing
-            router, url = start_router(urls, tmp / f"router-{policy}.log", *extra)
-            try:
-                s = bench(url, model.name, model, tmp / f"quality-{policy}.json",
-                          "--rate", str(args.rate), "--num-requests", str(args.num_requests),
-                          "--prefix-groups", str(groups), "--prefix-tokens",
-                          str(args.prefix_tokens), "--input-len", str(args.input_len),
-                          "--output-len", str(args.output_len), "--warmup", "0",
-                          "--slo-ttft-ms", str(args.slo_ttft_ms), "--seed", "1")
-                mape = _router_metric(url, names.ROUTER_TTFT_PREDICTION_MAPE)
-            finally:
-                router.stop()
-            after = [prefix_counters(u) for u in urls]
-            hits = sum(a[0] - b[0] for a, b in zip(after, before))
-            queries = sum(a[1] - b[1] for a, b in zip(after, before))
-            result["policies"][policy] = {
-                "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p90_ms": s["ttft_ms"]["p90"],
-                "ttft_p99_ms": s["ttft_ms"]["p99"], "e2e_p50_ms": s["e2e_ms"]["p50"],
-                "rps": s["rps"], "goodput_rps": (s["goodput"] or {}).get("rps"),
-                "goodput_fraction": (s["goodput"] or {}).get("fraction"),
-                "failed": s["failed"], "errors": s["errors"],
-                "prefix_hit_rate": hits / queries if queries else None,
-                "ttft_prediction_mape": mape if policy == "slo" else None,
-                "load_average": load_average()}
-            print(f"{policy}: TTFT p90 {s['ttft_ms']['p90']:.0f} ms, goodput "
-                  f"{(s['goodput'] or {}).get('rps', 0):.2f} req/s", flush=True)
+        orders = [list(args.policies) if r % 2 == 0 else list(reversed(args.policies))
+                  for r in range(args.quality_rounds)]  # ABCD DCBA ...: drifts hit all
+        runs: dict[str, list[dict]] = {p: [] for p in args.policies}
+        for round_, order in enumerate(orders):
+            for policy in order:
+                row = quality_run(args, model, tmp, urls, groups, policy, round_)
+                runs[policy].append(row)
+                print(f"round {round_} {policy}: TTFT p90 {row['ttft_p90_ms']:.0f} ms, goodput "
+                      f"{row['goodput_rps'] or 0:.2f} req/s, load {row['load_average']}", flush=True)
+        for policy, rows in runs.items():
+            result["policies"][policy] = {**{k: _mean([r[k] for r in rows]) for k in (
+                "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p50_ms", "rps", "goodput_rps",
+                "goodput_fraction", "prefix_hit_rate", "ttft_prediction_mape")},
+                "failed": sum(r["failed"] for r in rows), "runs": rows}
     finally:
         for p in workers:
             p.stop()
@@ -376,6 +363,42 @@ def quality(args, model: Path, tmp: Path) -> dict:
             row["goodput_vs_round_robin"] = (row["goodput_rps"] / rr["goodput_rps"]
                                              if rr["goodput_rps"] else None)
     return result
+
+
+def quality_run(args, model: Path, tmp: Path, urls: list[str], groups: int, policy: str,
+                round_: int) -> dict:
+    """One policy over the running workers, after flushing their prefix caches."""
+    flush(urls, model.name, args.prefix_tokens + 128)
+    before = [prefix_counters(u) for u in urls]
+    extra = ["--policy", policy, "--slo-ttft-ms",
+             str(args.slo_ttft_ms) if policy == "slo" else "0"]  # others: no queueing
+    router, url = start_router(urls, tmp / f"router-{policy}-{round_}.log", *extra)
+    try:
+        s = bench(url, model.name, model, tmp / f"quality-{policy}-{round_}.json",
+                  "--rate", str(args.rate), "--num-requests", str(args.num_requests),
+                  "--prefix-groups", str(groups), "--prefix-tokens", str(args.prefix_tokens),
+                  "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                  "--warmup", "0", "--slo-ttft-ms", str(args.slo_ttft_ms), "--seed", "1")
+        mape = _router_metric(url, names.ROUTER_TTFT_PREDICTION_MAPE)
+    finally:
+        router.stop()
+    after = [prefix_counters(u) for u in urls]
+    hits = sum(a[0] - b[0] for a, b in zip(after, before))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before))
+    return {"round": round_, "ttft_p50_ms": s["ttft_ms"]["p50"],
+            "ttft_p90_ms": s["ttft_ms"]["p90"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+            "e2e_p50_ms": s["e2e_ms"]["p50"], "rps": s["rps"],
+            "goodput_rps": (s["goodput"] or {}).get("rps"),
+            "goodput_fraction": (s["goodput"] or {}).get("fraction"),
+            "failed": s["failed"], "errors": s["errors"],
+            "prefix_hit_rate": hits / queries if queries else None,
+            "ttft_prediction_mape": mape if policy == "slo" else None,
+            "load_average": load_average()}
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _router_metric(url: str, name: str) -> float | None:
@@ -447,6 +470,8 @@ def main() -> int:
     g.add_argument("--num-requests", type=int, default=80)
     g.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     g.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    g.add_argument("--quality-rounds", type=int, default=2,
+                   help="rounds over the policies, alternating order; figures are means")
     p.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_null:

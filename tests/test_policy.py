@@ -113,8 +113,6 @@ def test_prefix_index_matches_longest_recorded_prefix_per_endpoint():
     assert index.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
     assert index.match([1, 2, 9]) == {"a": 2, "b": 3}
     assert index.match([7, 1]) == {}
-    index.forget("a")
-    assert index.match([1, 2, 3]) == {"b": 2}
 
 
 def test_prefix_index_is_bounded_lru():
@@ -295,3 +293,18 @@ def test_slo_policy_follows_the_fitted_models():
 def test_budget_from_deadline():
     assert RoutingRequest(MODEL).budget_s(5.0) == math.inf
     assert RoutingRequest(MODEL, deadline=10.0).budget_s(9.5) == 0.5
+
+
+def test_a_new_endpoint_predicts_with_the_fleet_model_until_it_has_its_own():
+    from sluice.router.policy import MIN_OWN_UPDATES, predict
+    from sluice.router.predictor import LatencyModel
+
+    fleet, ep = LatencyModel(), Endpoint("http://new")
+    x_shape = shape({"prompt": "y" * 4000})  # 1,000 tokens
+    for _ in range(100):  # the fleet learnt: 2 s per 1k uncached tokens
+        fleet.ttft.update(ttft_features(0, 0, 1000, 0), 2.0)
+    assert predict(ep, x_shape, 0, fleet=fleet).ttft_s == pytest.approx(2.0, rel=0.1)
+    assert predict(ep, x_shape, 0).ttft_s < 1.0  # the prior alone
+    for _ in range(MIN_OWN_UPDATES):
+        ep.latency.ttft.update(ttft_features(0, 0, 1000, 0), 0.5)
+    assert predict(ep, x_shape, 0, fleet=fleet).ttft_s == pytest.approx(0.5, rel=0.2)

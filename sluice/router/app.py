@@ -219,15 +219,16 @@ async def route_request(request: Request, path: str) -> Response:
         except ClientDisconnected:
             return _count(state, model, Response(status_code=CLIENT_CLOSED))
     try:
-        return await _dispatch(request, state, routing, raw, path, start)
+        return await _dispatch(request, state, routing, raw, path, start, released)
     finally:
         if released:  # (normally settled at its lease already; this covers giving up)
             state.dispatcher.settled(model)
 
 
 async def _dispatch(request: Request, state: RouterState, routing: RoutingRequest, raw: bytes,
-                    path: str, start: float) -> Response:
-    """Send to the policy's pick; on a worker that took nothing, the next candidate."""
+                    path: str, start: float, released: bool) -> Response:
+    """Send to the policy's pick; on a worker that took nothing, the next candidate.
+    ``released``: the request came out of the admission queue (settle it once leased)."""
     model = routing.model
     headers = _forward_headers(request)
     tried: set[str] = set()
@@ -235,7 +236,9 @@ async def _dispatch(request: Request, state: RouterState, routing: RoutingReques
     while candidates := [e for e in state.endpoints.ready_for(model) if e.url not in tried]:
         endpoint, prediction = await state.dispatcher.choose(candidates, routing)
         exchange = _Exchange(state, routing, endpoint, start, prediction)
-        state.dispatcher.settled(model)  # its load is visible now: the queue may go on
+        if released:  # its load is visible now: the queue may release the next one
+            state.dispatcher.settled(model)
+            released = False
         try:
             return await _forward(request, state, endpoint, path, raw, headers, exchange)
         except _TryElsewhere as exc:

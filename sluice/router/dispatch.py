@@ -168,8 +168,8 @@ class Dispatcher:
             return True
         now = time.monotonic()
         budget = request.budget_s(now)
-        return any(p.ttft_s <= budget
-                   for p in predict_all(candidates, request, self.context.prefix_index, now))
+        return any(p.ttft_s <= budget for p in predict_all(
+            candidates, request, self.context.prefix_index, now, self.context.fleet))
 
     def admit_now(self, request: RoutingRequest) -> bool:
         """True when ``request`` may go at once (nobody queued, the gate open)."""
@@ -224,7 +224,8 @@ class Dispatcher:
         endpoint = await self.policy.choose(candidates, request)
         matched = self.context.prefix_index.match(request.shape.blocks) \
             if request.shape.blocks else {}
-        return endpoint, predict(endpoint, request.shape, matched.get(endpoint.url, 0))
+        return endpoint, predict(endpoint, request.shape, matched.get(endpoint.url, 0),
+                                 fleet=self.context.fleet)
 
     def dispatched(self, endpoint: Endpoint, request: RoutingRequest) -> None:
         """``request`` was leased to ``endpoint``: remember its prefix there."""
@@ -235,6 +236,7 @@ class Dispatcher:
                     model: str) -> None:
         """The worker's first token came ``ttft_s`` after the request was sent there."""
         endpoint.latency.ttft.update(prediction.features, ttft_s)
+        self.context.fleet.ttft.update(prediction.features, ttft_s)
         self.errors.observe(prediction.ttft_s, ttft_s)
         self.metrics.mape.set(self.errors.mape)
         self.metrics.prediction_error.observe(abs(prediction.ttft_s - ttft_s))
@@ -245,6 +247,8 @@ class Dispatcher:
                  model: str) -> None:
         """The exchange ended (any way); ``mean_gap_s``: its mean inter-token gap, if any."""
         if mean_gap_s is not None:
-            endpoint.latency.itl.update(itl_features(prediction.features[2] + 1), mean_gap_s)
+            x = itl_features(prediction.features[2] + 1)
+            endpoint.latency.itl.update(x, mean_gap_s)
+            self.context.fleet.itl.update(x, mean_gap_s)
         self.kick(model)
 

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sluice.router.endpoints import Endpoint
-from sluice.router.predictor import itl_features, ttft_features
+from sluice.router.predictor import LatencyModel, itl_features, ttft_features
 from sluice.router.prefix import PrefixIndex, PromptShape
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LOAD_FACTOR = 1.25
+MIN_OWN_UPDATES = 20  # observations before an endpoint's own model replaces the fleet's
 VIRTUAL_NODES = 64  # ring points per endpoint: keys spread within a few % of even
 
 
@@ -80,10 +81,12 @@ class PolicyContext:
         prefix_index: which endpoints were recently sent which prompt blocks.
         load_factor: CHWBL's c = 1 + ε: no endpoint takes more than ⌈c · m / n⌉ of the m
             in-flight requests (counting the new one) over n endpoints.
+        fleet: latency models fitted on every endpoint's observations (see ``predict``).
     """
 
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
     load_factor: float = DEFAULT_LOAD_FACTOR
+    fleet: LatencyModel = field(default_factory=LatencyModel)
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
@@ -248,7 +251,7 @@ class Prediction:
 
 
 def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int,
-            now: float | None = None) -> Prediction:
+            now: float | None = None, fleet: LatencyModel | None = None) -> Prediction:
     """Predict a request's TTFT and ITL on ``endpoint`` from its current observed load.
 
     Args:
@@ -256,22 +259,28 @@ def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int,
         shape: the request's prompt shape (estimated tokens).
         cached_blocks: leading prompt blocks the prefix index expects cached there.
         now: ``time.monotonic()`` (for report freshness).
+        fleet: a model fitted on every endpoint's observations, used while the endpoint's
+            own model has fewer than ``MIN_OWN_UPDATES`` (a new replica starts from what
+            its siblings taught, not from the prior).
     """
     now = time.monotonic() if now is None else now
     cached_tokens = min(cached_blocks * shape.block_tokens, shape.tokens - 1)
     running = endpoint.running(now)
     x = ttft_features(endpoint.queued_prefill_tokens(now), running,
                       max(0.0, shape.tokens - cached_tokens), endpoint.kv_usage(now))
-    return Prediction(endpoint.latency.ttft.predict(x),
-                      endpoint.latency.itl.predict(itl_features(running + 1)), cached_blocks, x)
+    own = endpoint.latency
+    ttft = own.ttft if fleet is None or own.ttft.updates >= MIN_OWN_UPDATES else fleet.ttft
+    itl = own.itl if fleet is None or own.itl.updates >= MIN_OWN_UPDATES else fleet.itl
+    return Prediction(ttft.predict(x), itl.predict(itl_features(running + 1)), cached_blocks, x)
 
 
 def predict_all(candidates: Sequence[Endpoint], request: RoutingRequest, index: PrefixIndex,
-                now: float | None = None) -> list[Prediction]:
+                now: float | None = None, fleet: LatencyModel | None = None
+                ) -> list[Prediction]:
     """``predict`` for every candidate (one prefix-index lookup)."""
     now = time.monotonic() if now is None else now
     matched = index.match(request.shape.blocks) if request.shape.blocks else {}
-    return [predict(e, request.shape, matched.get(e.url, 0), now) for e in candidates]
+    return [predict(e, request.shape, matched.get(e.url, 0), now, fleet) for e in candidates]
 
 
 # ---------------------------------------------------------------------------- the policies
@@ -346,7 +355,8 @@ class SLOPolicy:
 
     async def choose(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
         now = time.monotonic()
-        predictions = predict_all(candidates, request, self.context.prefix_index, now)
+        predictions = predict_all(candidates, request, self.context.prefix_index, now,
+                                  self.context.fleet)
         index = slo_pick([p.ttft_s for p in predictions], [p.cached_blocks for p in predictions],
                          request.budget_s(now), [p.itl_s for p in predictions],
                          request.itl_slo_s, self._turns.next())

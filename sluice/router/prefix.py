@@ -170,10 +170,3 @@ class PrefixIndex:
             for url in alive:
                 matched[url] = i + 1
         return matched
-
-    def forget(self, url: str) -> None:
-        """Drop ``url`` from every entry (an endpoint that left for good). O(entries)."""
-        for h in list(self._blocks):
-            holders = self._blocks[h]
-            if holders.pop(url, None) is not None and not holders:
-                del self._blocks[h]

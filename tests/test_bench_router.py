@@ -1,0 +1,61 @@
+"""bench/router.py runs end to end with tiny settings and writes its JSON (figures are not
+asserted: timings on a shared machine are noise; what must hold is asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import router as bench_router  # noqa: E402  (bench/router.py)
+
+
+def test_coprime_groups_and_overhead_summary():
+    assert bench_router.coprime_groups(8, 4) == 9 and bench_router.coprime_groups(7, 4) == 7
+    paths = {"direct": {"latency": [{"e2e_p50_ms": 1.0, "e2e_p99_ms": 2.0, "rps": 0, "failed": 0}],
+                        "throughput": [{"rps": 100.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0,
+                                        "failed": 0}]},
+             "sluice": {"latency": [{"e2e_p50_ms": 1.5, "e2e_p99_ms": 3.0, "rps": 0, "failed": 0}],
+                        "throughput": [{"rps": 80.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0,
+                                        "failed": 1}]},
+             "vllm-router": {"latency": [{"e2e_p50_ms": 1.2, "e2e_p99_ms": 2.5, "rps": 0,
+                                          "failed": 0}],
+                             "throughput": [{"rps": 90.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0,
+                                             "failed": 0}]}}
+    out = bench_router.summarize_overhead(paths)
+    assert out["sluice"]["added_p50_ms"] == pytest.approx(0.5)
+    assert out["sluice"]["added_p99_ms"] == pytest.approx(1.0)
+    assert out["sluice"]["failed"] == 1
+    assert out["sluice_vs_vllm_router_rps"] == pytest.approx(80 / 90)
+
+
+@pytest.mark.slow
+def test_router_bench_tiny(tmp_path):
+    out = tmp_path / "router.json"
+    proc = subprocess.run(
+        [sys.executable, "bench/router.py", "--out", str(out), "--rounds", "1",
+         "--overhead-requests", "10", "--throughput-concurrency", "4", "--replicas", "2",
+         "--num-requests", "4", "--rate", "2", "--prefix-groups", "2", "--prefix-tokens", "64",
+         "--input-len", "8", "--output-len", "2", "--kv-cache-gib", "0.05",
+         "--policies", "round-robin", "slo", "--quality-rounds", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"wrote {out}" in proc.stdout
+    result = json.loads(out.read_text())
+    summary = result["overhead"]["summary"]
+    assert summary["direct"]["failed"] == 0 and summary["sluice"]["failed"] == 0
+    assert summary["sluice"]["max_rps"] > 0 and "added_p50_ms" in summary["sluice"]
+    vllm = result["overhead"]["vllm_router"]
+    assert vllm["ran"] == ("vllm-router" in summary) and (vllm["ran"] or vllm["why"])
+    quality = result["quality"]
+    assert quality["prefix_groups"] == 3  # 2 is not coprime with 2 replicas
+    for policy in ("round-robin", "slo"):
+        row = quality["policies"][policy]
+        assert row["failed"] == 0 and row["ttft_p90_ms"] > 0
+        assert row["prefix_hit_rate"] is not None
