@@ -13,9 +13,10 @@ import pytest
 
 from sluice.api import metrics as names
 from sluice.router.admission import Rejected
-from sluice.router.discovery import ServiceView, objectives, service_view
+from sluice.router.discovery import ServiceView, model_settings, service_view
 from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
-from sluice.router.endpoints import Endpoint, EndpointSet, Lease, WorkerLoad
+from sluice.router.endpoints import Endpoint, EndpointSet, Lease, ModelSettings, WorkerLoad
+from sluice.router.policy import LeastLoadPolicy, PrefixPolicy, SLOPolicy
 from sluice.router.metrics import RouterMetrics
 
 MODEL = "m"
@@ -37,15 +38,31 @@ BODY = {"model": MODEL, "prompt": "Tell me a story. " * 20, "stream": True}
 
 # ------------------------------------------------------------------ objectives, priority
 
-def test_service_view_and_objectives_from_inferenceservices():
-    isvc = {"spec": {"model": {"name": "A"}, "slo": {"ttftMs": 500, "itlMs": 50.5}}}
-    assert service_view(isvc) == ServiceView("A", 500.0, 50.5)
-    assert service_view({"spec": {"model": {"name": "B"}, "slo": {"ttftMs": True}}}) == \
-        ServiceView("B", None, None)
+def test_service_view_and_settings_from_inferenceservices():
+    isvc = {"spec": {"model": {"name": "A"}, "slo": {"ttftMs": 500, "itlMs": 50.5},
+                     "routing": {"strategy": "prefix", "loadFactor": 1.5}}}
+    assert service_view(isvc) == ServiceView("A", 500.0, 50.5, "prefix", 1.5)
+    assert service_view({"spec": {"model": {"name": "B"}, "slo": {"ttftMs": True},
+                                  "routing": {"strategy": 3}}}) == ServiceView("B")
     assert service_view({}) == ServiceView(None)
     views = {"x": ServiceView("A", 500.0), "w": ServiceView("A", 900.0),
              "y": ServiceView("B"), "z": ServiceView(None, 100.0)}
-    assert objectives(views) == {"A": (900.0, None)}  # sorted by name: "w" first
+    assert model_settings(views) == {"A": ModelSettings(900.0), "B": ModelSettings()}
+
+
+def test_each_model_gets_the_policy_its_inferenceservice_names():
+    endpoints, d = fleet(policy="least-load")
+    assert isinstance(d.policy_for(MODEL), LeastLoadPolicy)  # no discovery: --policy
+    endpoints.sync([e.url for e in endpoints], [MODEL, "other"], {
+        MODEL: ModelSettings(strategy="prefix", load_factor=2.0),
+        "other": ModelSettings(strategy="slo")})
+    prefix = d.policy_for(MODEL)
+    assert isinstance(prefix, PrefixPolicy) and prefix.context.load_factor == 2.0
+    assert prefix.context.prefix_index is d.context.prefix_index  # shared state
+    assert d.policy_for(MODEL) is prefix  # made once
+    assert isinstance(d.policy_for("other"), SLOPolicy)
+    endpoints.sync([e.url for e in endpoints], [MODEL], {MODEL: ModelSettings(strategy="nope")})
+    assert d.policy_for(MODEL) is d.policy
 
 
 def test_objectives_headers_then_inferenceservice_then_flags():
@@ -53,7 +70,7 @@ def test_objectives_headers_then_inferenceservice_then_flags():
     r = d.routing_request(BODY, {}, arrival=100.0)
     assert r.ttft_slo_s == 2.0 and r.deadline == 102.0 and r.itl_slo_s is None
     assert r.priority == 0 and r.stream and r.shape.tokens > 50
-    endpoints.sync([e.url for e in endpoints], [MODEL], {MODEL: (300.0, 40.0)})
+    endpoints.sync([e.url for e in endpoints], [MODEL], {MODEL: ModelSettings(300.0, 40.0)})
     r = d.routing_request(BODY, {}, arrival=100.0)
     assert (r.ttft_slo_s, r.itl_slo_s) == (0.3, 0.04)
     r = d.routing_request(BODY, {"x-slo-ttft-ms": "150", "x-slo-itl-ms": "20"}, arrival=100.0)

@@ -35,7 +35,7 @@ from typing import Any
 
 from sluice.api.service import API_VERSION
 from sluice.operator.resources import MANAGED_SELECTOR, PLURAL, WORKER_PORT_NAME, WORKER_SUFFIX
-from sluice.router.endpoints import EndpointSet
+from sluice.router.endpoints import EndpointSet, ModelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -100,33 +100,41 @@ def served_model(isvc: Mapping[str, Any]) -> str | None:
 
 @dataclass(frozen=True)
 class ServiceView:
-    """What the router keeps of one InferenceService: its served model name and latency
-    objectives (``spec.slo``, milliseconds; None where unset)."""
+    """What the router keeps of one InferenceService: its served model name, latency
+    objectives (``spec.slo``, milliseconds) and routing (``spec.routing``); None where unset."""
 
     model: str | None
     ttft_ms: float | None = None
     itl_ms: float | None = None
+    strategy: str | None = None
+    load_factor: float | None = None
 
 
 def service_view(isvc: Mapping[str, Any]) -> ServiceView:
-    """``spec.model.name`` and ``spec.slo.{ttftMs, itlMs}`` of an InferenceService as JSON."""
-    slo = (isvc.get("spec") or {}).get("slo") or {}
+    """``spec.model.name``, ``spec.slo.{ttftMs, itlMs}`` and ``spec.routing.{strategy,
+    loadFactor}`` of an InferenceService as JSON."""
+    spec = isvc.get("spec") or {}
+    slo, routing = spec.get("slo") or {}, spec.get("routing") or {}
 
     def positive(value: Any) -> float | None:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
         return float(value) if ok else None
 
-    return ServiceView(served_model(isvc), positive(slo.get("ttftMs")), positive(slo.get("itlMs")))
+    strategy = routing.get("strategy")
+    return ServiceView(served_model(isvc), positive(slo.get("ttftMs")), positive(slo.get("itlMs")),
+                       strategy if isinstance(strategy, str) else None,
+                       positive(routing.get("loadFactor")))
 
 
-def objectives(views: Mapping[str, ServiceView]) -> dict[str, tuple[float | None, float | None]]:
-    """Served model name → (TTFT ms, ITL ms) from the InferenceServices that set any; two
-    services of one model: the first name in sorted order wins."""
-    out: dict[str, tuple[float | None, float | None]] = {}
+def model_settings(views: Mapping[str, ServiceView]) -> dict[str, ModelSettings]:
+    """Served model name → its InferenceService's objectives and routing; two services of
+    one model: the first name in sorted order wins."""
+    out: dict[str, ModelSettings] = {}
     for name in sorted(views):
         view = views[name]
-        if view.model is not None and (view.ttft_ms or view.itl_ms):
-            out.setdefault(view.model, (view.ttft_ms, view.itl_ms))
+        if view.model is not None:
+            out.setdefault(view.model, ModelSettings(view.ttft_ms, view.itl_ms, view.strategy,
+                                                     view.load_factor))
     return out
 
 
@@ -369,7 +377,7 @@ class KubernetesDiscovery:
                 return  # half a view would unlist every endpoint of the other half
             views = self.isvcs.view
             now = (discovered({k: v.model for k, v in views.items()}, self.worker_endpoints.view),
-                   objectives(views))
+                   model_settings(views))
             if now == self._last:
                 return
             self._last = now

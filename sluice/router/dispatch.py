@@ -14,6 +14,7 @@ request, a poll) kicks the queue, which re-checks its head.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.router.admission import AdmissionQueue
-from sluice.router.endpoints import Endpoint, EndpointSet
+from sluice.router.endpoints import Endpoint, EndpointSet, ModelSettings
 from sluice.router.metrics import RouterMetrics
-from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, PolicyContext, Prediction,
-                                  RoutingPolicy, RoutingRequest, make_policy, predict, predict_all)
+from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES, PolicyContext,
+                                  Prediction, RoutingPolicy, RoutingRequest, make_policy, predict,
+                                  predict_all)
 from sluice.router.predictor import ErrorTracker, itl_features
 from sluice.router.prefix import KEY_CHARS, PrefixIndex, shape
 
@@ -112,6 +114,8 @@ class Dispatcher:
         self.metrics = metrics
         self.context = PolicyContext(PrefixIndex(), settings.load_factor)
         self.policy: RoutingPolicy = make_policy(settings.policy, self.context)
+        # model → (its InferenceService's strategy and load factor, the policy made for them)
+        self._policies: dict[str, tuple[tuple[str, float], RoutingPolicy]] = {}
         self.admission: AdmissionQueue[RoutingRequest] = AdmissionQueue(
             settings.max_queue, settings.queue_timeout, self._retry_after, self._queue_changed)
         self.errors = ErrorTracker()
@@ -134,7 +138,8 @@ class Dispatcher:
             BadRoutingHeader: a malformed header or priority.
         """
         model = body["model"]
-        declared_ttft, declared_itl = self.endpoints.objectives.get(model, (None, None))
+        declared = self.endpoints.settings.get(model) or ModelSettings()
+        declared_ttft, declared_itl = declared.ttft_ms, declared.itl_ms
         ttft_ms = headers.get(HEADER_TTFT)
         itl_ms = headers.get(HEADER_ITL)
         ttft = _positive_ms(ttft_ms, HEADER_TTFT) if ttft_ms is not None \
@@ -221,11 +226,27 @@ class Dispatcher:
                      request: RoutingRequest) -> tuple[Endpoint, Prediction]:
         """The policy's pick, and the prediction for it (the features its TTFT model will be
         fitted on when the first token comes)."""
-        endpoint = await self.policy.choose(candidates, request)
+        endpoint = await self.policy_for(request.model).choose(candidates, request)
         matched = self.context.prefix_index.match(request.shape.blocks) \
             if request.shape.blocks else {}
         return endpoint, predict(endpoint, request.shape, matched.get(endpoint.url, 0),
                                  fleet=self.context.fleet)
+
+    def policy_for(self, model: str) -> RoutingPolicy:
+        """The policy its InferenceService names (``spec.routing``), else ``--policy``.
+        Policies made for a service share the router's prefix index and fleet models."""
+        declared = self.endpoints.settings.get(model)
+        if declared is None or declared.strategy not in POLICIES:
+            self._policies.pop(model, None)
+            return self.policy
+        key = (declared.strategy, declared.load_factor or self.context.load_factor)
+        cached = self._policies.get(model)
+        if cached is None or cached[0] != key:
+            if len(self._policies) >= 1024:  # models come and go with discovery: bounded
+                self._policies.clear()
+            context = dataclasses.replace(self.context, load_factor=max(1.0, key[1]))
+            cached = self._policies[model] = (key, make_policy(key[0], context))
+        return cached[1]
 
     def dispatched(self, endpoint: Endpoint, request: RoutingRequest) -> None:
         """``request`` was leased to ``endpoint``: remember its prefix there."""

@@ -41,6 +41,24 @@ HEADER_QUEUED_PREFILL = "x-sluice-queued-prefill-tokens"
 
 
 @dataclass(frozen=True)
+class ModelSettings:
+    """What discovery says about one served model (its InferenceService's spec); None where
+    the router's own flags apply.
+
+    Attributes:
+        ttft_ms: ``spec.slo.ttftMs``.
+        itl_ms: ``spec.slo.itlMs``.
+        strategy: ``spec.routing.strategy`` (a name in ``sluice.router.policy.POLICIES``).
+        load_factor: ``spec.routing.loadFactor``.
+    """
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    strategy: str | None = None
+    load_factor: float | None = None
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """A worker's own report of its load (headers or a /metrics scrape).
 
@@ -210,11 +228,11 @@ class EndpointSet:
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
         self.on_polled: Callable[[], None] = lambda: None  # e.g. re-check admission queues
-        # served model → (TTFT ms, ITL ms) declared by discovery (InferenceService spec.slo)
-        self.objectives: dict[str, tuple[float | None, float | None]] = {}
+        # served model → its InferenceService's objectives and routing (discovery)
+        self.settings: dict[str, ModelSettings] = {}
 
     def sync(self, urls: Iterable[str], declared_models: Iterable[str],
-             objectives: dict[str, tuple[float | None, float | None]] | None = None) -> None:
+             settings: dict[str, ModelSettings] | None = None) -> None:
         """Make ``urls`` the listed endpoints (dynamic discovery).
 
         New URLs are added not ready and the poller is woken to confirm them at once; URLs
@@ -225,8 +243,8 @@ class EndpointSet:
             declared_models: every served model name discovery knows of, with or without a
                 listed endpoint; a request for one of them gets 503 (retry) rather than 404
                 while it has no ready worker.
-            objectives: served model name → (TTFT ms, ITL ms) from its InferenceService's
-                ``spec.slo`` (None: keep the router's defaults).
+            settings: served model name → its InferenceService's objectives and routing
+                (missing: the router's flags apply).
         """
         wanted = {u.rstrip("/") for u in urls}
         joined = False
@@ -249,7 +267,7 @@ class EndpointSet:
                             endpoint.url, endpoint.in_flight)
         self._endpoints = dict(sorted(self._endpoints.items()))
         self._declared = frozenset(declared_models)
-        self.objectives = dict(objectives or {})
+        self.settings = dict(settings or {})
         self.prune()
 
     def prune(self) -> None:
