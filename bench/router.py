@@ -64,6 +64,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -221,12 +227,13 @@ def overhead(args, model: Path, tmp: Path) -> dict:
     upstream = f"http://127.0.0.1:{null_port}"
     procs = [null]
     result: dict = {"upstream": f"null worker, {args.null_tokens} SSE chunks per request",
-                    "input_len": 32, "paths": {}}
+                    "input_len": 32, "load_average_start": load_average(), "paths": {}}
     try:
         null.ready(f"{upstream}/health", 30)
         paths = {"direct": upstream}
         router, paths["sluice"] = start_router([upstream], tmp / "router.log")
         procs.append(router)
+        pids = {"direct": None, "sluice": router.proc.pid}
         binary, how = vllm_router_binary()
         if binary is None:
             result["vllm_router"] = {"ran": False, "why": how}
@@ -235,6 +242,7 @@ def overhead(args, model: Path, tmp: Path) -> dict:
                 vrouter, paths["vllm-router"] = start_vllm_router(binary, [upstream],
                                                                    tmp / "vllm-router.log")
                 procs.append(vrouter)
+                pids["vllm-router"] = vrouter.proc.pid
                 result["vllm_router"] = {"ran": True, "binary": how}
             except (RuntimeError, TimeoutError) as exc:
                 result["vllm_router"] = {"ran": False, "why": f"did not start: {exc}"}
@@ -246,15 +254,21 @@ def overhead(args, model: Path, tmp: Path) -> dict:
                                    ("throughput", args.throughput_concurrency)):
             for round_ in range(args.rounds):  # interleaved: drifts in machine load hit all
                 for name, url in paths.items():
+                    pid = pids[name]
+                    cpu = cpu_seconds(pid) if pid else 0.0
                     s = bench(url, model.name, model, tmp / f"{level}-{name}-{round_}.json",
                               "--concurrency", str(concurrency), "--num-requests",
                               str(args.overhead_requests), "--input-len", "32",
                               "--output-len", str(args.null_tokens), "--warmup", "4",
                               "--seed", str(round_))
+                    cpu_ms = (cpu_seconds(pid) - cpu) * 1000 / (args.overhead_requests + 4) \
+                        if pid else None
                     row = result["paths"].setdefault(name, {}).setdefault(level, [])
                     row.append({"rps": s["rps"], "e2e_p50_ms": s["e2e_ms"]["p50"],
-                                "e2e_p99_ms": s["e2e_ms"]["p99"], "failed": s["failed"]})
+                                "e2e_p99_ms": s["e2e_ms"]["p99"], "failed": s["failed"],
+                                "router_cpu_ms_per_request": cpu_ms})
         result["summary"] = summarize_overhead(result["paths"])
+        result["load_average_end"] = load_average()
     finally:
         for p in reversed(procs):
             p.stop()
@@ -276,6 +290,9 @@ def summarize_overhead(paths: dict) -> dict:
         out[name] = {"e2e_p50_ms": _median([r["e2e_p50_ms"] for r in lat]),
                      "e2e_p99_ms": _median([r["e2e_p99_ms"] for r in lat]),
                      "max_rps": _median([r["rps"] for r in thr]),
+                     "router_cpu_ms_per_request": _median(
+                         [r["router_cpu_ms_per_request"] for r in thr]) if name != "direct"
+                     and thr and thr[0].get("router_cpu_ms_per_request") is not None else None,
                      "failed": sum(r["failed"] for r in lat + thr)}
     direct = out.get("direct")
     for name, row in out.items():
@@ -421,13 +438,13 @@ def print_tables(result: dict) -> None:
     if over:
         print(f"\nRouter overhead ({over['upstream']}; load average {result['load_average']})")
         print(f"{'path':<12} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
-              f"{'max req/s':>10}")
+              f"{'max req/s':>10} {'router CPU ms/req':>18}")
         for name, row in over["summary"].items():
             if not isinstance(row, dict):
                 continue
             print(f"{name:<12} {_fmt(row['e2e_p50_ms'], 2):>8} {_fmt(row['e2e_p99_ms'], 2):>8} "
                   f"{_fmt(row.get('added_p50_ms'), 2):>8} {_fmt(row.get('added_p99_ms'), 2):>8} "
-                  f"{_fmt(row['max_rps']):>10}")
+                  f"{_fmt(row['max_rps']):>10} {_fmt(row.get('router_cpu_ms_per_request'), 3):>18}")
         if "sluice_vs_vllm_router_rps" in over["summary"]:
             print(f"sluice / vllm-router req/s: {over['summary']['sluice_vs_vllm_router_rps']:.2f}x")
         if not over.get("vllm_router", {}).get("ran", True):
@@ -453,6 +470,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=("overhead", "quality"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "router.json"))
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other part's results already in --out (with --only)")
     g = p.add_argument_group("overhead")
     g.add_argument("--null-tokens", type=int, default=16)
     g.add_argument("--latency-concurrency", type=int, default=1)
@@ -488,6 +507,14 @@ def main() -> int:
     result["load_average_end"] = load_average()
     print_tables(result)
     out = Path(args.out)
+    if args.merge and args.only and out.exists():
+        previous = json.loads(out.read_text())
+        other = "quality" if args.only == "overhead" else "overhead"
+        if other in previous:
+            result[other] = previous[other]
+            result[f"{other}_settings"] = previous.get(f"{other}_settings",
+                                                      previous.get("settings"))
+    result[f"{args.only or 'all'}_settings"] = result["settings"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
