@@ -155,7 +155,7 @@ def wait_until(predicate, timeout: float, period: float = 0.05) -> bool:
 
 def idle(urls: list[str]) -> bool:
     return all(metric(u, names.NUM_RUNNING) == 0 and metric(u, names.KV_CACHE_USAGE) == 0
-               for u in urls)
+               and metric(u, names.QUEUED_PREFILL_TOKENS) == 0 for u in urls)
 
 
 def ready_workers(router_url: str) -> list[str]:
@@ -243,6 +243,8 @@ def test_streamed_through_the_router(router, path, body):
     with httpx.stream("POST", f"{router}{path}", json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
+        assert {"x-sluice-num-running", "x-sluice-num-waiting", "x-sluice-kv-cache-usage",
+                "x-sluice-queued-prefill-tokens"} <= set(r.headers)  # the worker's, relayed
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     assert len(events) > 3
