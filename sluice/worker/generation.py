@@ -216,11 +216,9 @@ async def _outputs(metrics: WorkerMetrics, engine: Engine, choices: list[Choice]
         Exception: the first engine error (the other requests are aborted).
     """
     queue: asyncio.Queue = asyncio.Queue()
-    tasks = [
-        asyncio.create_task(_pump(engine, c, f"{response_id}-{c.view.index}",
-                                  metrics.track(arrival, len(c.view.prompt_ids)), queue))
-        for c in choices
-    ]
+    timers = [metrics.track(arrival, len(c.view.prompt_ids)) for c in choices]
+    tasks = [asyncio.create_task(_pump(engine, c, f"{response_id}-{c.view.index}", timer, queue))
+             for c, timer in zip(choices, timers)]
     try:
         pending = len(tasks)
         while pending:
@@ -236,6 +234,8 @@ async def _outputs(metrics: WorkerMetrics, engine: Engine, choices: list[Choice]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for timer in timers:  # a task cancelled before it ran never closed its own
+            timer.close()
 
 
 async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper) -> dict:
