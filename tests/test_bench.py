@@ -304,11 +304,16 @@ def test_bench_against_a_real_worker(worker_url, model_path, tmp_path):
     assert s["goodput"]["requests"] == n and s["cost"]["per_request"] > 0
     for r in data["records"]:
         assert r["ok"] and r["status"] == 200
-        assert r["usage_output_tokens"] == max_tokens == r["num_chunks"]
-        # the worker streams one token per chunk; re-tokenizing the text may merge a few
+        assert r["usage_output_tokens"] == max_tokens
+        # one token per chunk, except that the worker holds back a token that ends inside a
+        # UTF-8 character and sends it with the next one; re-tokenizing may merge a few
+        assert 1 <= r["num_chunks"] <= max_tokens
         assert abs(r["output_tokens"] - max_tokens) <= 2
         assert r["input_tokens"] == r["usage_input_tokens"] == 32
-        assert len(r["itl_s"]) == max_tokens - 1
+        if r["num_chunks"] == max_tokens:
+            assert len(r["itl_s"]) == max_tokens - 1
+        else:
+            assert abs(len(r["itl_s"]) - (max_tokens - 1)) <= 2
         assert 0 < r["ttft_s"] < r["e2e_s"]
         assert r["ttft_s"] + sum(r["itl_s"]) <= r["e2e_s"]
     assert sorted(p.name for p in plots.iterdir()) == [

@@ -327,11 +327,15 @@ def test_client_disconnect_aborts_generation(worker_url, streamed):
                 else:
                     await client.post(f"{worker_url}/v1/completions", json=body)
 
+            def busy() -> float:
+                return metric(worker_url, names.NUM_RUNNING) + metric(worker_url, names.NUM_WAITING)
+
             task = asyncio.create_task(request())
-            await asyncio.sleep(0.5)
-            busy = await asyncio.to_thread(lambda: metric(worker_url, names.NUM_RUNNING)
-                                           + metric(worker_url, names.NUM_WAITING))
-            assert busy >= 1, "the request was not in the engine"
+            # vLLM's gauges move once its engine core has run a step: poll, do not guess
+            until = time.monotonic() + 60
+            while not await asyncio.to_thread(busy) and time.monotonic() < until:
+                await asyncio.sleep(0.1)
+            assert await asyncio.to_thread(busy) >= 1, "the request was not in the engine"
             task.cancel()  # closes the connection
             await asyncio.gather(task, return_exceptions=True)
             return time.monotonic()
