@@ -19,7 +19,7 @@ import pytest
 
 from conftest import free_port
 from sluice.api.service import parse_manifest
-from sluice.local.supervisor import build_children, worker_arguments
+from sluice.local.supervisor import build_children, router_arguments, worker_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2.yaml"
@@ -66,6 +66,19 @@ def test_children_wiring():
     assert [router.argv[i + 1] for i, a in enumerate(router.argv) if a == "--worker"] == \
         [w.url for w in workers]
     assert router.url == "http://127.0.0.1:9000" and router.ready_workers == 2
+
+
+def test_router_gets_the_manifests_routing_and_objectives():
+    assert router_arguments(parse_manifest(manifest())) == ["--policy", "slo", "--load-factor",
+                                                            "1.25"]
+    service = parse_manifest(manifest(routing={"strategy": "prefix", "loadFactor": 1.5},
+                                      slo={"ttftMs": 500, "itlMs": 80}))
+    argv = router_arguments(service)
+    assert argv == ["--policy", "prefix", "--load-factor", "1.5", "--slo-ttft-ms", "500.0",
+                    "--slo-itl-ms", "80.0"]
+    router = build_children(["--model", "/m"], 1, "127.0.0.1", 9000, router_args=argv)[-1]
+    start = router.argv.index("--port") + 2
+    assert router.argv[start:start + len(argv)] == argv
 
 
 def test_pvc_source_is_refused_locally(tmp_path):

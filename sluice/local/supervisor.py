@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         model_path = resolve_model(service)
         worker_args = worker_arguments(service, model_path)
         children = build_children(worker_args, replicas, args.host, args.port, args.log_level,
-                                  service.spec.engine.name)
+                                  service.spec.engine.name, router_arguments(service))
     except Exception as exc:  # bad manifest, model fetch failure, busy port: one line, exit 2
         logger.error("%s", exc)
         return 2
@@ -152,9 +152,23 @@ def worker_python(engine: str) -> str:
     return str(python)
 
 
+def router_arguments(service: InferenceService) -> list[str]:
+    """The router flags that carry the manifest's ``spec.routing`` and ``spec.slo`` (what the
+    Kubernetes router reads from the InferenceService itself)."""
+    routing, slo = service.spec.routing, service.spec.slo
+    argv = ["--policy", routing.strategy, "--load-factor", str(routing.load_factor)]
+    if slo.ttft_ms is not None:
+        argv += ["--slo-ttft-ms", str(slo.ttft_ms)]
+    if slo.itl_ms is not None:
+        argv += ["--slo-itl-ms", str(slo.itl_ms)]
+    return argv
+
+
 def build_children(worker_args: list[str], replicas: int, host: str, port: int,
-                   log_level: str = "INFO", engine: str = "native") -> list[Child]:
-    """Workers on free local ports, and the router (last) pointing at all of them.
+                   log_level: str = "INFO", engine: str = "native",
+                   router_args: list[str] = ()) -> list[Child]:
+    """Workers on free local ports, and the router (last) pointing at all of them, started
+    with ``router_args`` (see ``router_arguments``).
 
     Raises:
         ValueError: from ``worker_python``.
@@ -167,7 +181,7 @@ def build_children(worker_args: list[str], replicas: int, host: str, port: int,
         children.append(Child(f"worker-{i}", [*worker_base, "worker", *worker_args, "--host",
                                               "127.0.0.1", "--port", str(worker_port)],
                               f"http://127.0.0.1:{worker_port}"))
-    router_argv = [*base, "router", "--host", host, "--port", str(port)]
+    router_argv = [*base, "router", "--host", host, "--port", str(port), *router_args]
     for worker in children:
         router_argv += ["--worker", worker.url]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
