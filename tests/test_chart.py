@@ -328,7 +328,7 @@ def test_router_service_and_deployment(helm):
     args = parse_cli("sluice.router.app", "router", c["args"])
     assert (args.discovery, args.namespace, args.host, args.port) == \
         ("kubernetes", NAMESPACE, "0.0.0.0", 8000)
-    assert (args.policy, args.read_timeout, args.worker) == ("least-load", 600.0, [])
+    assert (args.policy, args.read_timeout, args.worker) == ("slo", 600.0, [])
 
 
 def test_router_service_values(helm):
