@@ -62,3 +62,27 @@ def test_quant_bench(tmp_path):
     result = run_bench("quant.py", "--max-tokens", "4", "--rounds", "1", out=tmp_path / "quant.json")
     assert set(result["decode"]) >= {"fp32", "int8"}
     assert result["decode"]["int8"]["weight_bytes_per_token"] < result["decode"]["fp32"]["weight_bytes_per_token"] / 3
+
+
+AIPERF = Path("/tmp/aiperf-venv/bin/aiperf")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AIPERF.exists(), reason=f"aiperf is not a dependency (1.2 GB); no {AIPERF} "
+                    "(see bench/aiperf_crosscheck.py)")
+def test_aiperf_crosscheck(tmp_path):
+    result = run_bench("aiperf_crosscheck.py", "--aiperf", str(AIPERF), "--num-requests", "4",
+                       "--concurrency", "2", "--output-len", "8", "--rounds", "1",
+                       out=tmp_path / "crosscheck.json")
+    for tool in ("sluice bench", "aiperf"):
+        (run,) = result["runs"][tool]
+        assert run["failed"] == 0 and run["ttft_ms"] > 0 and run["itl_ms"] > 0
+    assert set(result["relative_difference"]) == {"ttft_ms", "itl_ms"}
+
+
+def test_aiperf_crosscheck_says_where_aiperf_is_missing(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/aiperf_crosscheck.py", "--aiperf",
+                           str(tmp_path / "none"), "--out", str(tmp_path / "x.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "aiperf not found" in proc.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -67,19 +67,22 @@ def paged_attention(
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
 
+    # SDPA gets 4-D [1, H, L, D] inputs: on CPU, 3-D ones fall back to the math kernel
+    # (3-6x slower on long prefills, and it materialises the whole score matrix)
     for start, q_len, ctx_len, block_table in meta.prefills:
-        qs = q[start:start + q_len].transpose(0, 1)  # [H_q, q_len, D]
+        qs = q[start:start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H_q, q_len, D]
         if ctx_len == q_len:  # no cached prefix: attend over the fresh K/V
-            ks, vs = k[start:start + q_len].transpose(0, 1), v[start:start + q_len].transpose(0, 1)
+            ks = k[start:start + q_len].transpose(0, 1).unsqueeze(0)
+            vs = v[start:start + q_len].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            ks = k_cache[block_table].view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
-            vs = v_cache[block_table].view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
+            ks = k_cache[block_table].view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1).unsqueeze(0)
+            vs = v_cache[block_table].view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1).unsqueeze(0)
             # query i sits at position ctx_len - q_len + i and sees keys 0..that position
-            rows = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
-            mask = torch.arange(ctx_len).unsqueeze(0) <= rows
+            rows = torch.arange(ctx_len - q_len, ctx_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx_len, device=q.device).unsqueeze(0) <= rows
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:start + q_len] = o.transpose(0, 1)
+        out[start:start + q_len] = o[0].transpose(0, 1)
 
     if meta.decode_token_idx is not None:
         tables = meta.decode_block_tables
