@@ -70,11 +70,13 @@ def main() -> None:
     parser.add_argument("--num-short", type=int, default=40)
     parser.add_argument("--interval-ms", type=float, default=150.0)
     parser.add_argument("--short-tokens", type=int, default=16)
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="long_prefill_token_threshold (default: the engine's)")
     parser.add_argument("--out", default="bench/results/chunked_prefill.json")
     args = parser.parse_args()
     path = str(store.fetch(args.model))
     base = dict(model=path, kv_cache_gib=1.0, enable_prefix_caching=False)
-    chunked = LLMEngine(EngineConfig(**base))  # default budget 2048, chunks of 512
+    chunked = LLMEngine(EngineConfig(**base, long_prefill_token_threshold=args.chunk_tokens))
     unchunked = LLMEngine(EngineConfig(**base, max_num_batched_tokens=args.long_tokens,
                                        long_prefill_token_threshold=args.long_tokens))
     ids = chunked.tokenizer.encode(TEXT * (args.long_tokens // 20 + 1))
@@ -90,7 +92,8 @@ def main() -> None:
               "unchunked": run(unchunked, shorts, long, args)}
     alone = result["alone"]["ttft_ms"]["p99"]
     print(f"\n{args.model}: {args.num_short} short prompts (50 tokens, every {args.interval_ms:.0f} ms) "
-          f"with a {args.long_tokens}-token prompt; chunk {result['chunk_tokens']} tokens")
+          f"with a {args.long_tokens}-token prompt; chunks of {result['chunk_tokens']} tokens "
+          "at an empty context, fewer as it grows")
     print(f"{'scenario':<10} {'TTFT p50':>9} {'TTFT p99':>9} {'p99/alone':>10} {'long TTFT':>10}")
     for name in ("alone", "chunked", "unchunked"):
         r = result[name]

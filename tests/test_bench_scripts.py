@@ -51,7 +51,7 @@ def test_spec_decode_bench_ngram(tmp_path):
 def test_chunked_prefill_bench(tmp_path):
     result = run_bench("chunked_prefill.py", "--long-tokens", "600", "--num-short", "3",
                        "--interval-ms", "50", "--short-tokens", "2", out=tmp_path / "chunked.json")
-    assert result["chunk_tokens"] == 512
+    assert result["chunk_tokens"] == 128
     for name in ("alone", "chunked", "unchunked"):
         assert result[name]["ttft_ms"]["count"] == 3
     assert result["chunked"]["long_ttft_ms"] > 0 and result["alone"]["long_ttft_ms"] is None

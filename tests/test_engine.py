@@ -275,6 +275,32 @@ def test_prefix_cache_never_serves_evicted_or_colliding_blocks(model_path):
     assert_pool_idle(engine)
 
 
+def test_prefill_chunks_shrink_as_their_context_grows(model_path, engine):
+    chunked = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.1,
+                                     long_prefill_token_threshold=256))
+    # SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 64, MLP 1536 → 3,538,944 linear
+    # weights per layer; attention costs 2·9·64 of them per context token
+    assert chunked.runner.attention_break_even == 3072.0
+    prompt = engine.tokenizer.encode("A very long document about rivers and lakes. " * 200)[:2000]
+    chunked.add_request("long", prompt, greedy(max_tokens=2))
+    seq = chunked.scheduler.find("long")
+    chunks = []
+    while seq.num_computed_tokens < len(prompt):
+        before = seq.num_computed_tokens
+        chunked.step()
+        chunks.append(seq.num_computed_tokens - before)
+    expected, done = [], 0
+    while done < len(prompt):
+        expected.append(min(len(prompt) - done, int(256 / (1 + done / 3072))))
+        done += expected[-1]
+    assert chunks == expected
+    assert chunks[0] == 256 and chunks[-2] == int(256 / (1 + sum(chunks[:-2]) / 3072)) < 180
+    while chunked.has_unfinished_requests():
+        chunked.step()
+    assert chunked.generate([prompt], greedy(max_tokens=4)) == engine.generate([prompt], greedy(max_tokens=4))
+    assert_pool_idle(chunked)
+
+
 def test_chunked_prefill_lets_short_requests_decode_during_a_long_prefill(model_path, engine):
     chunked = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.1, max_num_batched_tokens=64))
     long_prompt = engine.tokenizer.encode("A very long document about rivers and lakes. " * 60)[:600]

@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- CLI
 
 _ENGINE_FLAGS = ("max_model_len", "block_size", "kv_cache_gib", "max_num_seqs",
-                 "max_num_batched_tokens", "enable_prefix_caching", "quantization",
+                 "max_num_batched_tokens", "long_prefill_token_threshold",
+                 "enable_prefix_caching", "quantization",
                  "speculative_method", "num_speculative_tokens", "speculative_model_quantization",
                  "dtype", "device")
 
@@ -76,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=defaults["max_num_batched_tokens"],
                         help="token budget per step (default: %(default)s)")
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        help="most prompt tokens of one request per step at an empty context, "
+                             "fewer as its context grows (default: a sixteenth of "
+                             "--max-num-batched-tokens)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults["enable_prefix_caching"],
                         help="reuse KV blocks of shared prompt prefixes (default: %(default)s)")

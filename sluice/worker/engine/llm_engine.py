@@ -68,7 +68,7 @@ class LLMEngine:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s", num_blocks,
                     config.block_size, num_blocks * config.block_size,
                     num_blocks * bytes_per_block / 2**20, " (target + draft)" if draft else "")
-        self.scheduler = Scheduler(config, num_blocks)
+        self.scheduler = Scheduler(config, num_blocks, self.runner.attention_break_even)
         self.proposer = (
             NgramProposer(config.num_speculative_tokens) if config.speculative_method == "ngram"
             else DraftModelProposer(draft, self.scheduler.block_manager, config.num_speculative_tokens)

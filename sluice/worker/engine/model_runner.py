@@ -27,6 +27,10 @@ class ModelRunner:
         device: "cpu" or "cuda".
         quantization: None, or "int8" (weight-only, applied after loading; see quant.py).
 
+    ``attention_break_even`` is the context length (tokens) at which a prefill token's
+    attention costs as many FLOPs as its linear layers (3,072 for SmolLM2-135M); the
+    scheduler sizes prefill chunks with it.
+
     The KV block pool is created separately (``allocate_kv_cache``), once the engine has
     split its memory budget between this model and a speculative draft model.
 
@@ -55,6 +59,12 @@ class ModelRunner:
 
             quantize_int8(model)
         self.model = model.eval()
+
+        # per layer: a prefill token's linear layers cost 2 FLOPs per weight, its attention
+        # 4·H·D FLOPs per context token (QK^T and PV); this context length makes them equal
+        h, heads, d = hf_config.hidden_size, hf_config.num_attention_heads, model.head_dim
+        linear_weights = 2 * h * heads * d + 2 * h * model.num_kv_heads * d + 3 * h * hf_config.intermediate_size
+        self.attention_break_even = linear_weights / (2 * heads * d)
 
         elem = torch.finfo(self.dtype).bits // 8
         self.num_layers = hf_config.num_hidden_layers

@@ -5,7 +5,13 @@ total tokens: running sequences first (a decode is a gap of one; a long prompt g
 chunk of the budget — chunked prefill), then waiting sequences are admitted while the
 budget, ``max_num_seqs`` and the block pool allow. One prefill chunk is at most
 ``long_prefill_token_threshold`` tokens, so a long prompt never holds the whole budget and
-new requests are admitted (and decode) while it is still prefilling. When the pool cannot
+new requests are admitted (and decode) while it is still prefilling.
+
+A chunk's cost grows with the context it attends over: per token, the linear layers cost
+a constant and attention one more unit per ``attention_break_even`` tokens of context
+(see ``attention_break_even_tokens``). The threshold is divided by ``1 + computed /
+attention_break_even``, so chunks late in a long prompt are smaller and every step takes
+about as long (Sarathi-Serve, Agrawal et al. 2024, sizes chunks to a step-time budget). When the pool cannot
 give a running sequence its next block, the most recently admitted sequence is preempted:
 its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
 """
@@ -27,14 +33,19 @@ class Scheduler:
     """Decides which sequences run in the next step and with how many tokens.
 
     Args:
-        config: engine config (reads max_num_seqs, max_num_batched_tokens, block_size).
+        config: engine config (reads max_num_seqs, max_num_batched_tokens,
+            long_prefill_token_threshold, block_size, enable_prefix_caching).
         num_blocks: KV blocks in the pool.
+        attention_break_even: context length (tokens) at which a prefill token's attention
+            costs as much as its linear layers; None: chunks are not shrunk with context.
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int):
+    def __init__(self, config: EngineConfig, num_blocks: int,
+                 attention_break_even: float | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.attention_break_even = attention_break_even
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -70,7 +81,7 @@ class Scheduler:
             else:  # prefill chunk: leave a token for each later decode in the batch
                 later_decodes = sum(1 for s in self.running[i + 1:]
                                     if s.num_tokens - s.num_computed_tokens == 1)
-                n = min(gap, budget - later_decodes, self.long_prefill_token_threshold)
+                n = min(gap, budget - later_decodes, self.chunk_limit(seq))
                 if n <= 0:
                     i += 1
                     continue
@@ -87,7 +98,7 @@ class Scheduler:
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.block_manager.allocate_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_token_threshold)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_limit(seq))
             if not self.block_manager.allocate_slots(seq, n):
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
@@ -98,6 +109,14 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def chunk_limit(self, seq: Sequence) -> int:
+        """The most prefill tokens ``seq`` may run this step: the threshold, shrunk by the
+        attention over its ``num_computed_tokens`` of context (at least 1)."""
+        limit = self.long_prefill_token_threshold
+        if self.attention_break_even:
+            limit /= 1 + seq.num_computed_tokens / self.attention_break_even
+        return max(1, int(limit))
 
     def on_computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """After the forward pass: advance each sequence and cache its completed blocks."""
