@@ -78,6 +78,7 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="turns per tool")
+    p.add_argument("--worker-threads", type=int, default=1, help="the worker's torch threads")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "aiperf_crosscheck.json"))
     args = p.parse_args()
     if not Path(args.aiperf).exists():
@@ -89,8 +90,11 @@ def main() -> int:
     runs: dict[str, list[dict]] = {"sluice bench": [], "aiperf": []}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        # one thread: the client (aiperf runs several busy processes) needs the other cores,
+        # and an OpenMP team that loses a core to it slows down many times over
         worker = Proc([sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "worker",
-                       "--model", str(model), "--port", str(port)], tmp / "worker.log")
+                       "--model", str(model), "--port", str(port)], tmp / "worker.log",
+                      env={"OMP_NUM_THREADS": str(args.worker_threads)})
         try:
             worker.ready(f"{url}/health")
             for r in range(args.rounds):

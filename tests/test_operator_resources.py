@@ -200,6 +200,15 @@ def test_resources_are_requests_equal_limits():
     assert cpu_only["containers"][0]["resources"] == {} and "tolerations" not in cpu_only
 
 
+@pytest.mark.parametrize("cpu, threads", [(2, "2"), ("500m", "1"), ("3500m", "3"), ("1.5", "1"),
+                                          (None, None)])
+def test_torch_threads_follow_the_cpu_limit(cpu, threads):
+    pod = deployment_of(isvc(resources={"cpu": cpu} if cpu is not None else {}))["spec"]["template"]["spec"]
+    for container in (*pod.get("initContainers", []), *pod["containers"]):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env.get("OMP_NUM_THREADS") == threads
+
+
 def test_images_and_command_come_from_the_operator_config():
     config = OperatorConfig(worker_image="reg/sluice:1", vllm_worker_image="reg/sluice-vllm:1",
                             worker_command=("python", "-m", "sluice.cli"),

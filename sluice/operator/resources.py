@@ -292,6 +292,21 @@ def _resources(service: InferenceService) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
 
 
+def _thread_env(service: InferenceService) -> list[dict[str, str]]:
+    """OMP_NUM_THREADS = the CPU limit rounded down (at least 1), when one is set.
+
+    torch sizes its thread pool from the node's cores, not the container's CPU quota: a
+    2-CPU pod on a 64-core node would run 64 OpenMP threads, and a team that loses cores
+    to CFS throttling waits at every barrier (decode steps many times slower).
+    """
+    cpu = service.spec.resources.cpu
+    if cpu is None:
+        return []
+    from kubernetes.utils import parse_quantity
+
+    return [{"name": "OMP_NUM_THREADS", "value": str(max(1, int(parse_quantity(cpu))))}]
+
+
 _CONTAINER_SECURITY = {"runAsNonRoot": True, "readOnlyRootFilesystem": True,
                        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
@@ -308,7 +323,7 @@ def build_pod_template(service: InferenceService, config: OperatorConfig) -> dic
     model = _model(service, config.model_cache)
     resources = _resources(service)
     base_env = [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"},
-                *model.env]
+                *_thread_env(service), *model.env]
     tmp = {"name": "tmp", "mountPath": "/tmp"}
     worker_args = worker_arguments(service, model.arg)
     command, *prefix = config.worker_command
