@@ -9,10 +9,11 @@ new requests are admitted (and decode) while it is still prefilling.
 
 A chunk's cost grows with the context it attends over: per token, the linear layers cost
 a constant and attention one more unit per ``attention_break_even`` tokens of context
-(see ``attention_break_even_tokens``). The threshold is divided by ``1 + computed /
+(``ModelRunner.attention_break_even``). The threshold is divided by ``1 + computed /
 attention_break_even``, so chunks late in a long prompt are smaller and every step takes
-about as long (Sarathi-Serve, Agrawal et al. 2024, sizes chunks to a step-time budget). When the pool cannot
-give a running sequence its next block, the most recently admitted sequence is preempted:
+about as long (Sarathi-Serve, Agrawal et al. 2024, sizes chunks to a step-time budget).
+
+When the pool cannot give a running sequence its next block, the most recently admitted sequence is preempted:
 its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
 """
 
