@@ -13,8 +13,9 @@ a constant and attention one more unit per ``attention_break_even`` tokens of co
 attention_break_even``, so chunks late in a long prompt are smaller and every step takes
 about as long (Sarathi-Serve, Agrawal et al. 2024, sizes chunks to a step-time budget).
 
-When the pool cannot give a running sequence its next block, the most recently admitted sequence is preempted:
-its blocks are freed and it goes back to the front of the waiting queue to be recomputed.
+When the pool cannot give a running sequence its next block, the most recently admitted
+sequence is preempted: its blocks are freed and it goes back to the front of the waiting
+queue to be recomputed.
 """
 
 from __future__ import annotations
