@@ -1,4 +1,4 @@
-"""The `sluice` command: up | worker | router | models.
+"""The `sluice` command: up | worker | router | models | operator | bench.
 
 Each component module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and keeps
 heavy imports (torch) inside ``run``, so ``sluice router --help`` stays fast.

@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from sluice.api import openai as oa
@@ -123,6 +124,19 @@ def test_chat_longer_than_context(worker_url):
     body = {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}
     err = assert_error(post(worker_url, "/v1/chat/completions", body), 400, "messages")
     assert "input tokens, maximum context" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_huge_prompt_is_refused_without_tokenizing(worker_url, path):
+    """3 MB of text cannot fit any context: refused by its length alone (tokenizing it would
+    hold the GIL for seconds and stall every other request)."""
+    text = "a " * 1_500_000
+    body = ({"prompt": text} if path == "/v1/completions"
+            else {"messages": [{"role": "user", "content": text}]})
+    err = assert_error(post(worker_url, path, {"model": MODEL, **body}), 400,
+                       "prompt" if path == "/v1/completions" else "messages",
+                       "context_length_exceeded")
+    assert "characters cannot fit the maximum context" in err["message"]
 
 
 def test_prompt_plus_max_tokens_over_context(worker_url):
@@ -413,6 +427,22 @@ def test_model_that_fails_to_load_exits_1(tmp_path, model_path):
                      timeout=180)
     assert result.returncode == 1
     assert "failed to load" in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    result = _sluice("worker", "--device", "cuda", "--port", str(_free_port()), timeout=60)
+    assert result.returncode == 1
+    assert "--device cuda: torch sees no CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_options_that_do_not_fit_the_model_fail_in_one_line(model_path):
+    result = _sluice("worker", "--model", str(model_path), "--kv-cache-gib", "0.0001",
+                     "--port", str(_free_port()), timeout=180)
+    assert result.returncode == 1
+    assert "kv_cache_gib 0.0001 holds no KV block" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_unsupported_logit_bias_and_infinite_temperature_are_400(worker_url):

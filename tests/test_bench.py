@@ -275,6 +275,9 @@ def test_bad_arguments_exit_2(model_path):
     assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--model", "not-in-store"]) == 2
     assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--model", "m", "--tokenizer",
                      str(model_path), "--input-len", "uniform:9:1"]) == 2
+    for n in ("0", "-3"):
+        assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--model", "m", "--tokenizer",
+                         str(model_path), "--num-requests", n]) == 2
 
 
 # --------------------------------------------------------------------------- real worker

@@ -292,6 +292,18 @@ def test_unknown_model_is_404_without_contacting_a_worker(router, workers, model
 
 
 @slow
+def test_unknown_routes_and_methods_get_openai_errors(router):
+    r = httpx.get(f"{router}/v1/chat/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json() == {"error": {"message": "Method Not Allowed", "type": "invalid_request_error",
+                                  "param": None, "code": None}}
+    for path in ("/v1/embeddings", "/v1/foo"):
+        r = httpx.post(f"{router}{path}", json={}, timeout=10)
+        assert r.status_code == 404
+        assert r.json()["error"]["message"] == "Not Found"
+
+
+@slow
 def test_malformed_requests_are_400(router):
     for content in (b"{not json", b"[1, 2]", json.dumps({"prompt": "x"}).encode(),
                     json.dumps({"model": 7}).encode(), b"[" * 100_000 + b"]" * 100_000):

@@ -101,6 +101,14 @@ def test_bad_manifest_exits_2_naming_the_field(tmp_path):
     assert "bad.yaml" in result.stderr and "spec.replicas" in result.stderr
 
 
+@pytest.mark.parametrize("replicas", ["0", "-1"])
+def test_up_needs_a_worker(replicas):
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f", str(EXAMPLE),
+                             "--replicas", replicas, "--port", str(free_port())],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"--replicas must be >= 1, got {replicas}" in result.stderr
+
+
 def test_busy_port_exits_2_before_starting_anything():
     port = free_port()
     with socket.socket() as taken:
@@ -292,3 +300,11 @@ def test_vllm_workers_run_in_vllms_own_environment(tmp_path, monkeypatch):
     worker, router = build_children(["--model", "/m"], 1, "127.0.0.1", 9000, engine="vllm")
     assert worker.argv[0] == str(fake) and router.argv[0] == sys.executable
     assert worker_python("native") == sys.executable
+
+
+def test_a_manifest_with_zero_replicas_needs_an_override(tmp_path):
+    path = tmp_path / "zero.yaml"
+    path.write_text(EXAMPLE.read_text().replace("replicas: 2", "replicas: 0"))
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f", str(path),
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "nothing would serve" in result.stderr

@@ -139,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         if (args.concurrency is not None and args.concurrency < 1) or (args.rate is not None
                                                                        and args.rate <= 0):
             raise ValueError("--concurrency and --rate must be positive")
+        if args.num_requests is not None and args.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
         extra = json.loads(args.extra_body) if args.extra_body else None
         if extra is not None and not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")

@@ -29,6 +29,7 @@ import httpx
 
 from sluice.api.service import InferenceService, load_manifest
 from sluice.api.worker_args import worker_arguments
+from sluice.argtypes import port
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Child:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", required=True, type=Path, help="InferenceService YAML")
     parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
-    parser.add_argument("--port", type=int, default=8000, help="port the router binds")
+    parser.add_argument("--port", type=port, default=8000, help="port the router binds")
     parser.add_argument("--replicas", type=int, default=None,
                         help="override spec.replicas (number of worker processes)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
@@ -87,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
     (manifest, model source, busy port)."""
     try:
         service = load_manifest(args.file)
-        if args.replicas is not None and args.replicas < 0:
-            raise ValueError(f"--replicas must be >= 0, got {args.replicas}")
+        if args.replicas is not None and args.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
         replicas = service.spec.replicas if args.replicas is None else args.replicas
+        if replicas == 0:
+            raise ValueError("0 replicas: nothing would serve; pass --replicas N (N >= 1)")
         _check_port_free(args.host, args.port)  # before a fetch that may take minutes
         model_path = resolve_model(service)
         worker_args = worker_arguments(service, model_path)

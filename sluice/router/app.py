@@ -40,9 +40,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from sluice.api.openai import error_body
+from sluice.argtypes import http_url, port
 from sluice.logs import quiet_probe_access_logs
 from sluice.router import discovery
 from sluice.router.admission import Rejected
@@ -481,6 +483,13 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="sluice router", lifespan=lifespan)
 
+    @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method: OpenAI shape
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        response = openai_error(exc.status_code, str(exc.detail), kind)
+        response.headers.update(exc.headers or {})  # 405: Allow
+        return response
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await route_request(request, "/v1/completions")
@@ -517,7 +526,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worker", action="append", default=[], metavar="URL",
+    parser.add_argument("--worker", action="append", default=[], metavar="URL", type=http_url,
                         help="worker base URL, e.g. http://127.0.0.1:8001 (repeatable; static "
                         "discovery)")
     parser.add_argument("--discovery", choices=DISCOVERY, default="static",
@@ -530,7 +539,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kubeconfig file (kubernetes discovery; default: $KUBECONFIG, the "
                         "in-cluster service account, ~/.kube/config)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind")
+    parser.add_argument("--port", type=port, default=8000, help="port to bind")
     defaults = DispatchSettings()
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help="routing policy (default: %(default)s)")

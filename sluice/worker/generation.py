@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -76,25 +77,51 @@ def _sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, max_t
     )
 
 
-def _tokenize_prompts(tokenizer: Any, prompt: Any) -> list[tuple[list[int], str | None]]:
+@functools.lru_cache(maxsize=8)
+def _longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token string (a byte-level BPE token string
+    has one character per byte, so no token covers more text characters than this)."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def check_text_length(tokenizer: Any, text: str, max_model_len: int, param: str) -> None:
+    """Reject, without tokenizing it, a text that cannot fit ``max_model_len`` tokens:
+    it would need at least len(text) / longest-token-characters tokens. Tokenizing a
+    10 MB prompt holds the GIL for seconds and stalls every request on the worker.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` (``param``).
+    """
+    if len(text) > max_model_len * _longest_token_chars(tokenizer):
+        raise oa.APIError(400, f"{len(text)} characters cannot fit the maximum context of "
+                               f"{max_model_len} tokens", param=param,
+                          code="context_length_exceeded")
+
+
+def _tokenize_prompts(tokenizer: Any, prompt: Any, max_model_len: int
+                      ) -> list[tuple[list[int], str | None]]:
     """A completions ``prompt`` as (token ids, text or None) per prompt.
 
     Raises:
-        APIError: 400 (param ``prompt``) for an empty list.
+        APIError: 400 (param ``prompt``) for an empty list or a text far over the context.
     """
+    def encode(text: str) -> list[int]:
+        check_text_length(tokenizer, text, max_model_len, "prompt")
+        return tokenizer.encode(text)
+
     if isinstance(prompt, str):
-        return [(tokenizer.encode(prompt), prompt)]
+        return [(encode(prompt), prompt)]
     if not prompt:
         raise oa.APIError(400, "prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
         return [(list(prompt), None)]
     if isinstance(prompt[0], str):
-        return [(tokenizer.encode(p), p) for p in prompt]
+        return [(encode(p), p) for p in prompt]
     return [(list(p), None) for p in prompt]
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True
-                ) -> tuple[list[int], str]:
+def chat_prompt(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                max_model_len: int | None = None) -> tuple[list[int], str]:
     """Render ``messages`` with the tokenizer's chat template; return (token ids, text).
 
     Blocking (template rendering and tokenization): call it off the event loop.
@@ -103,9 +130,12 @@ def chat_prompt(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
         tokenizer: a Hugging Face tokenizer with a chat template.
         messages: OpenAI messages already in template form (``oa.template_messages``).
         add_generation_prompt: end with the assistant turn's opening, as for generation.
+        max_model_len: when given, a rendered text far over this context is refused
+            before tokenizing (``check_text_length``).
 
     Raises:
-        APIError: 400 (param ``messages``) when the template rejects the messages.
+        APIError: 400 (param ``messages``) when the template rejects the messages or the
+            text cannot fit ``max_model_len``.
     """
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -113,6 +143,8 @@ def chat_prompt(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
     except Exception as exc:  # jinja raise_exception, missing template, ...
         raise oa.APIError(400, f"the chat template rejected the messages: {exc}",
                           param="messages") from None
+    if max_model_len is not None:
+        check_text_length(tokenizer, text, max_model_len, "messages")
     return tokenizer.encode(text, add_special_tokens=False), text
 
 
@@ -126,7 +158,8 @@ async def completion_choices(engine: Engine, req: oa.CompletionRequest) -> list[
     Raises:
         APIError: 400 for an empty or over-long prompt, bad token ids, or bad max_tokens.
     """
-    prompts = await asyncio.to_thread(_tokenize_prompts, engine.tokenizer, req.prompt)
+    prompts = await asyncio.to_thread(_tokenize_prompts, engine.tokenizer, req.prompt,
+                                      engine.max_model_len)
     requested, param = req.requested_max_tokens()
     vocab = len(engine.tokenizer)
     plans = []
@@ -161,7 +194,8 @@ async def chat_choices(engine: Engine, req: oa.ChatCompletionRequest) -> list[Ch
     if req.top_logprobs is not None and not req.logprobs:
         raise oa.APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     messages = req.template_messages()
-    ids, _ = await asyncio.to_thread(chat_prompt, engine.tokenizer, messages)
+    ids, _ = await asyncio.to_thread(chat_prompt, engine.tokenizer, messages, True,
+                                     engine.max_model_len)
     oa.check_prompt(ids, len(engine.tokenizer), engine.max_model_len, "messages")
     requested, param = req.requested_max_tokens()
     max_tokens = oa.max_tokens_for(requested, param, len(ids), engine.max_model_len)

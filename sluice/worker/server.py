@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.api import openai as oa
+from sluice.argtypes import port
 from sluice.logs import quiet_probe_access_logs
 from sluice.models import store
 from sluice.worker.engine.config import EngineConfig
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--served-model-name", help="name clients use (default: the folder name)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    parser.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
     parser.add_argument("--max-model-len", type=int,
                         help="context length in tokens (default: the model's, capped at 8192)")
     parser.add_argument("--block-size", type=int, default=defaults["block_size"],
@@ -119,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
         draft = args.speculative_model and str(store.resolve(args.speculative_model))
         engine_config = EngineConfig(model=str(path), served_model_name=served, speculative_model=draft,
                                      **{k: getattr(args, k) for k in _ENGINE_FLAGS})
+        if engine == "native" and engine_config.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"--device {engine_config.device}: torch sees no CUDA device "
+                                 f"(torch {torch.__version__}, CUDA build: "
+                                 f"{torch.version.cuda or 'no'})")
     except (store.ModelStoreError, ValueError) as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 1
@@ -194,6 +202,11 @@ class Worker:
         started = time.monotonic()
         try:
             engine = self._load_engine()
+        except ValueError as exc:  # options that do not fit this model or machine: one line
+            logger.error("the model failed to load: %s; stopping the worker", exc)
+            self.load_error = exc
+            self.on_load_failed()
+            return
         except BaseException as exc:  # noqa: BLE001 - reported, then the process exits 1
             logger.exception("the model failed to load; stopping the worker")
             self.load_error = exc
