@@ -301,6 +301,25 @@ def test_bad_model_cache_values_fail_with_a_message(helm, values, message):
     assert done.returncode != 0 and message in done.stderr
 
 
+@pytest.mark.parametrize(("values", "message"), [
+    ("router.replicas=-1", "router.replicas: Must be greater than or equal to 0"),
+    ("router.service.port=abc", "router.service.port: Invalid type"),
+    ("router.service.port=70000", "router.service.port: Must be less than or equal to 65535"),
+    ("router.policy=nosuch", "router.policy must be one of the following"),
+    ("logLevel=LOUD", "logLevel must be one of the following"),
+])
+def test_values_schema_rejects_bad_values(helm, values, message):
+    done = run_helm(helm, "template", RELEASE, str(CHART), "--set", values, check=False)
+    assert done.returncode != 0 and message in done.stderr
+
+
+def test_values_schema_policies_are_the_routers():
+    from sluice.router.policy import POLICIES
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert sorted(schema["properties"]["router"]["properties"]["policy"]["enum"]) == sorted(POLICIES)
+
+
 def test_model_cache_host_path(helm):
     deployment = one(render(helm, "--set", "worker.modelCache.type=hostPath",
                             "--set", "worker.modelCache.path=/var/cache/sluice"),
