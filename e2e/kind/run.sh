@@ -34,7 +34,7 @@ RELEASE="${RELEASE:-sluice}"
 MODEL="${MODEL:-SmolLM2-135M-Instruct}"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 KEEP="${KEEP:-0}"
-STATE="${SLUICE_CACHE:-$HOME/.cache/sluice}/kind/$CLUSTER"
+STATE="${SLUICE_HOME:-$HOME/.cache/sluice}/kind/$CLUSTER"
 
 say() { printf '\n== %s\n' "$*" >&2; }
 need() { command -v "$1" > /dev/null || { echo "e2e/kind/run.sh: '$1' is required ($2)" >&2; exit 1; }; }

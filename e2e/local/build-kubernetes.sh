@@ -3,7 +3,7 @@
 # Debian bookworm's source package `kubernetes` (the full upstream tree with vendor/), and
 # cache them outside the clone, keyed by version:
 #
-#     ${SLUICE_CACHE:-$HOME/.cache/sluice}/kubernetes/v1.20.2/bin/
+#     ${SLUICE_HOME:-$HOME/.cache/sluice}/kubernetes/v1.20.2/bin/
 #
 # Idempotent: when the three binaries are there, it only prints that directory. Otherwise
 # it installs the build dependencies with apt-get (needs root), fetches the source through a
@@ -19,7 +19,7 @@ set -euo pipefail
 K8S_VERSION=v1.20.2
 DEB_VERSION=1.20.5+really1.20.2-1.1+deb12u1
 DEB_MIRROR=${SLUICE_DEB_MIRROR:-http://deb.debian.org/debian}
-ROOT=${SLUICE_CACHE:-$HOME/.cache/sluice}/kubernetes/$K8S_VERSION
+ROOT=${SLUICE_HOME:-$HOME/.cache/sluice}/kubernetes/$K8S_VERSION
 BIN=$ROOT/bin
 BINARIES=(kube-apiserver kube-controller-manager kube-scheduler)
 

@@ -60,7 +60,7 @@ class ClusterError(RuntimeError):
 
 
 def default_bin() -> Path:
-    cache = Path(os.environ.get("SLUICE_CACHE", Path.home() / ".cache" / "sluice"))
+    cache = Path(os.environ.get("SLUICE_HOME", Path.home() / ".cache" / "sluice"))
     return Path(os.environ.get("SLUICE_KUBE_BIN", cache / "kubernetes" / K8S_VERSION / "bin"))
 
 
