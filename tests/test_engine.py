@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -317,3 +319,25 @@ def test_chunked_prefill_lets_short_requests_decode_during_a_long_prefill(model_
     while chunked.has_unfinished_requests():
         chunked.step()
     assert_pool_idle(chunked)
+
+
+def test_an_abort_that_arrives_with_its_add_still_aborts(model_path):
+    """A client that leaves while its request still waits to be added (the engine thread
+    was busy with a long step): add and abort reach the engine thread in one batch."""
+    from sluice.worker.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.1))
+    try:
+        prompt = engine.engine.tokenizer.encode(PROMPTS[0])
+        with engine._lock:  # the state the step thread finds after a long step
+            engine._pending_adds.append(("gone", prompt, greedy(max_tokens=1000, ignore_eos=True)))
+            engine._pending_aborts.append("gone")
+        engine._wakeup.set()
+        deadline = time.monotonic() + 30
+        while (engine._pending_adds or engine.engine.has_unfinished_requests()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.engine.has_unfinished_requests()
+        assert_pool_idle(engine.engine)
+    finally:
+        engine.shutdown()

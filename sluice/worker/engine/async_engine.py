@@ -155,10 +155,12 @@ class AsyncEngine:
             with self._lock:
                 adds, self._pending_adds = self._pending_adds, []
                 aborts, self._pending_aborts = self._pending_aborts, []
-            for request_id in aborts:
-                self._deliver_all(self.engine.abort_request(request_id))
+            # adds first: a client that left while its request waited to be added (both in
+            # one batch) must find it in the engine, or it would run to max_tokens unowned
             for request_id, prompt, params in adds:
                 self.engine.add_request(request_id, prompt, params)
+            for request_id in aborts:
+                self._deliver_all(self.engine.abort_request(request_id))
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait()
                 self._wakeup.clear()
