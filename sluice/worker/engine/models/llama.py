@@ -43,7 +43,7 @@ class Linear(nn.Linear):
 
     For x [M, in] fp32 on CPU with 2 ≤ M ≤ ``SKINNY_MAX_ROWS`` it computes (W · xᵀ)ᵀ
     instead of x · Wᵀ: MKL runs that GEMM with the weight [out, in] as the streamed left
-    operand, 1.3-5x faster than ``F.linear`` here (e.g. 8960×1536, M = 5: 7.3 → 4.7 ms;
+    operand, 1.1-8x faster than ``F.linear`` here (e.g. 8960×1536, M = 5: 7.3 → 4.7 ms;
     49152×576, M = 2: 22.8 → 2.9 ms; bench/quant.py and bench/spec_decode.py show the
     effect end to end). A single row goes as two (a copy of itself) when the weight has
     at least ``PAD_MIN_WEIGHTS`` elements, because that GEMM also beats MKL's GEMV
