@@ -223,6 +223,9 @@ class FakeTokenizer:
     def convert_ids_to_tokens(self, token_id: int) -> str:
         return chr(token_id)
 
+    def get_vocab(self) -> dict[str, int]:  # every token is one character (ASCII shown)
+        return {chr(i): i for i in range(128)}
+
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False) -> str:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 

@@ -312,7 +312,8 @@ def test_a_manifest_with_zero_replicas_needs_an_override(tmp_path):
 
 def test_make_up_passes_up_args():
     """README: `make up UP_ARGS="--replicas 1 --port 8080"` (the command line make would run)."""
-    done = subprocess.run(["make", "-n", "up", 'UP_ARGS=--replicas 1 --port 8080'], cwd=ROOT,
+    done = subprocess.run(["make", "--no-print-directory", "-n", "up",
+                           'UP_ARGS=--replicas 1 --port 8080'], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.splitlines()[-1] == \
         ".venv/bin/sluice up -f examples/smollm2.yaml --replicas 1 --port 8080"
