@@ -454,4 +454,7 @@ def test_unsupported_logit_bias_and_infinite_temperature_are_400(worker_url):
     r = post(worker_url, "/v1/completions", None, content=b'{"model": "%s", "prompt": "hi", "temperature": Infinity}'
              % MODEL.encode(), headers={"content-type": "application/json"})
     assert_error(r, 400, "temperature")
+    r = post(worker_url, "/v1/completions", None, content=b'{"model": "%s", "prompt": "hi", "top_p": NaN}'
+             % MODEL.encode(), headers={"content-type": "application/json"})
+    assert "finite number" in assert_error(r, 400, "top_p")["message"]
     assert post(worker_url, "/v1/completions", {**body, "logit_bias": {}}).status_code == 200

@@ -106,7 +106,7 @@ class _GenerationRequest(_Lenient):
     max_tokens: int | None = None  # checked against the prompt length in max_tokens_for()
     max_completion_tokens: int | None = None
     temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
