@@ -458,3 +458,12 @@ def test_unsupported_logit_bias_and_infinite_temperature_are_400(worker_url):
              % MODEL.encode(), headers={"content-type": "application/json"})
     assert "finite number" in assert_error(r, 400, "top_p")["message"]
     assert post(worker_url, "/v1/completions", {**body, "logit_bias": {}}).status_code == 200
+
+
+def test_unknown_routes_and_methods_get_openai_errors(worker_url):
+    r = httpx.get(f"{worker_url}/v1/chat/completions", timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json() == {"error": {"message": "Method Not Allowed", "type": "invalid_request_error",
+                                  "param": None, "code": None}}
+    r = httpx.post(f"{worker_url}/v1/embeddings", json={}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"

@@ -67,6 +67,12 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def http_error_body(status: int, detail: str) -> dict:
+    """The OpenAI error object for a plain HTTP error (unknown route, wrong method): 4xx are
+    ``invalid_request_error``, 5xx ``server_error``."""
+    return error_body(detail, "invalid_request_error" if status < 500 else "server_error")
+
+
 def validation_error(errors: Sequence[dict]) -> APIError:
     """Turn pydantic/FastAPI validation errors into one 400 naming the first bad field.
 

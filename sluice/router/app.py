@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from sluice.api.openai import error_body
+from sluice.api.openai import error_body, http_error_body
 from sluice.argtypes import http_url, port
 from sluice.logs import quiet_probe_access_logs
 from sluice.router import discovery
@@ -485,10 +485,8 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)  # unknown route, wrong method: OpenAI shape
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        response = openai_error(exc.status_code, str(exc.detail), kind)
-        response.headers.update(exc.headers or {})  # 405: Allow
-        return response
+        return JSONResponse(http_error_body(exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code, headers=exc.headers)  # 405: Allow
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -394,8 +394,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(oa.error_body(str(exc.detail), kind), status_code=exc.status_code)
+        return JSONResponse(oa.http_error_body(exc.status_code, str(exc.detail)),
+                            status_code=exc.status_code, headers=exc.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
