@@ -31,20 +31,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from router import Proc, free_port, load_average  # noqa: E402  (bench/router.py)
+from router import Proc, bench, free_port, load_average  # noqa: E402  (bench/router.py)
 from sluice.models import store  # noqa: E402
 
 TOLERANCE = 0.10  # |sluice − aiperf| / aiperf, medians
 
 
 def run_sluice(url: str, model: Path, args, out: Path) -> dict[str, float]:
-    argv = [sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "bench", "--url", url,
-            "--model", model.name, "--tokenizer", str(model), "--endpoint", "completions",
-            "--concurrency", str(args.concurrency), "--num-requests", str(args.num_requests),
-            "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-            "--warmup", "2", "--quiet", "--output", str(out)]
-    subprocess.run(argv, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    s = json.loads(out.read_text())["summary"]
+    s = bench(url, model.name, model, out, "--endpoint", "completions", "--concurrency",
+              str(args.concurrency), "--num-requests", str(args.num_requests), "--input-len",
+              str(args.input_len), "--output-len", str(args.output_len), "--warmup", "2")
     return {"ttft_ms": s["ttft_ms"]["p50"], "itl_ms": s["itl_ms"]["p50"], "failed": s["failed"]}
 
 
