@@ -1,0 +1,313 @@
+"""The SLO autoscaling policy: one pure function from observations to desired replicas.
+
+``recommend(obs, state, config, now)`` has no I/O and reads no clock: the operator, the
+``sluice up`` supervisor and the simulator call it with what they observed and their own
+time, and keep the ``State`` it returns for the next call. Deterministic for equal inputs.
+
+    arrivals at admission ──▶ Holt forecast over the boot time ─┐
+    held + queued + 429s  ──▶ backlog to drain within the horizon ─┼─▶ raw = ceil(demand / capacity)
+    SLO attainment        ──▶ capacity estimate, corrected online ─┘
+                                   │
+          raw > current: up (after scaleUpStabilizationSeconds: min over that window)
+          raw < current: down (after scaleDownStabilizationSeconds: max over that window),
+                         only to N' whose share rate/N' keeps a margin below capacity
+          idle past idleSeconds with scaleToZero: 0;   anything pending at 0: 1 at once
+
+Lessons built in (each from a public report or design note):
+
+- Demand is what arrives at the router's admission, held, queued and refused requests
+  included, never completions: under back-pressure completions stay flat while the queue
+  grows (a planner sizing from them "always rounds to 1 replica").
+- Capacity is one replica's request rate at the SLO's tail (``capacity_rps``, measured by
+  ``sluice profile``), not at full utilisation; it is lowered when the SLO is missed under
+  load and raised while it holds with margin under load.
+- The result is an absolute replica count computed from the arrival rate, not a ratio of the
+  current count, so replicas still starting are already counted as capacity on the way
+  (the HPA-ratio feedback that gave AIBrix users 2 → 4 → 8 → 16 while pods loaded).
+- Scale-down checks that the load spread over the smaller fleet still meets the SLO with a
+  margin (NVIDIA Dynamo planner's N/(N−1) check), after the stabilization window
+  (Kubernetes HPA v2 ``behavior``: the highest recommendation over the window wins).
+- A restart does not drop replicas: a new ``State`` counts the current replicas as a
+  recommendation made now, so nothing scales down before a full window of observations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+# Reasons a decision carries (metrics label values: a fixed set).
+REASONS = ("steady", "load", "burst", "forecast", "slo-miss", "consolidate", "idle", "wake", "bounds",
+           "stabilizing")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the InferenceService says about scaling (units in the names).
+
+    Attributes:
+        min_replicas: fewest replicas (0 only with ``scale_to_zero``).
+        max_replicas: most replicas.
+        scale_to_zero: go to 0 after ``idle_s`` with nothing arriving or pending.
+        idle_s: seconds without any demand before scaling to zero.
+        scale_up_window_s: a higher recommendation must hold this long (0: at once).
+        scale_down_window_s: a lower recommendation must hold this long.
+        capacity_rps: one replica's request rate at the SLO's tail (``sluice profile``).
+        attainment_target: fraction of requests that must meet the SLO (percentile / 100).
+        boot_s: seconds from asking for a replica to its readiness (the forecast horizon).
+        drain_s: seconds within which a backlog should be drained by added replicas.
+        down_margin: scale down only while rate / N' ≤ capacity × (1 − down_margin).
+        min_samples: requests with a TTFT in a window before attainment corrects capacity.
+    """
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    scale_to_zero: bool = False
+    idle_s: float = 300.0
+    scale_up_window_s: float = 0.0
+    scale_down_window_s: float = 300.0
+    capacity_rps: float = 1.0
+    attainment_target: float = 0.95
+    boot_s: float = 30.0
+    drain_s: float = 30.0
+    down_margin: float = 0.2
+    min_samples: int = 10
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"need 0 <= min_replicas ({self.min_replicas}) <= max_replicas "
+                             f"({self.max_replicas}) and max_replicas >= 1")
+        if self.min_replicas == 0 and not self.scale_to_zero:
+            raise ValueError("min_replicas 0 needs scale_to_zero")
+        for name in ("idle_s", "scale_up_window_s", "scale_down_window_s", "boot_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0")
+        if not (self.capacity_rps > 0 and math.isfinite(self.capacity_rps)):
+            raise ValueError("capacity_rps must be a finite number > 0")
+        if not 0 < self.attainment_target <= 1 or not 0 <= self.down_margin < 1:
+            raise ValueError("attainment_target must be in (0, 1], down_margin in [0, 1)")
+        if not self.drain_s > 0:
+            raise ValueError("drain_s must be > 0")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the routers saw since the previous call (counts) and now (gauges), summed
+    over every router of the model.
+
+    Attributes:
+        window_s: seconds the counts cover (> 0).
+        arrivals: requests that reached admission (admitted, queued, held or refused).
+        rejected: of those, refused with 429 or 503 (demand that found no capacity).
+        ttft_met / ttft_total: finished first tokens within the TTFT objective / all.
+        itl_met / itl_total: requests whose mean ITL met the objective / all with an ITL.
+        queued: requests waiting in the admission queues now.
+        held: requests held because no replica was ready (scale from zero) now.
+        in_flight: requests being served by workers now.
+        ready: replicas ready now.
+        starting: replicas asked for and not ready yet.
+    """
+
+    window_s: float
+    arrivals: int = 0
+    rejected: int = 0
+    ttft_met: int = 0
+    ttft_total: int = 0
+    itl_met: int = 0
+    itl_total: int = 0
+    queued: int = 0
+    held: int = 0
+    in_flight: int = 0
+    ready: int = 0
+    starting: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Requests the fleet owes an answer: queued, held or being served."""
+        return self.queued + self.held + self.in_flight
+
+    def attainment(self) -> tuple[float | None, int]:
+        """(fraction of requests meeting both objectives, sample size); None without data.
+        The worse of TTFT and ITL attainment."""
+        parts = [(met / total, total) for met, total in
+                 ((self.ttft_met, self.ttft_total), (self.itl_met, self.itl_total)) if total]
+        if not parts:
+            return None, 0
+        return min(p for p, _ in parts), max(n for _, n in parts)
+
+
+@dataclass(frozen=True)
+class State:
+    """What the policy remembers between calls (persist it, or start anew after a restart
+    with ``State.initial``).
+
+    Attributes:
+        replicas: the replicas it last decided.
+        level_rps / trend_rps_per_s: Holt's smoothed arrival rate and its slope.
+        capacity_rps: the current estimate of one replica's rate at the SLO.
+        last_active: when demand (arrivals or pending requests) was last seen.
+        history: (time, raw recommendation) within the longest stabilization window.
+        last_time: the previous call's ``now`` (None before the first).
+    """
+
+    replicas: int
+    capacity_rps: float
+    level_rps: float = 0.0
+    trend_rps_per_s: float = 0.0
+    last_active: float = 0.0
+    history: tuple[tuple[float, int], ...] = ()
+    last_time: float | None = None
+
+    @classmethod
+    def initial(cls, replicas: int, config: Config, now: float) -> State:
+        """A fresh state that keeps ``replicas`` (what exists now) for a full scale-down
+        window, and counts now as active: a restarted autoscaler never drops replicas."""
+        return cls(replicas=replicas, capacity_rps=config.capacity_rps, last_active=now,
+                   history=((now, replicas),))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The policy's answer.
+
+    Attributes:
+        replicas: desired replicas (write them to ``spec.replicas``).
+        reason: one of ``REASONS``: why this count (``steady`` when unchanged).
+        state: pass it to the next call.
+        demand_rps: the arrival rate the decision planned for (forecast + backlog), req/s.
+        capacity_rps: the capacity estimate used, req/s per replica.
+        attainment: the window's SLO attainment (0..1), or None without samples.
+    """
+
+    replicas: int
+    reason: str
+    state: State
+    demand_rps: float
+    capacity_rps: float
+    attainment: float | None = None
+    details: dict[str, float] = field(default_factory=dict)
+
+
+# Holt's smoothing time constants (s): the level follows within ~tens of seconds, the
+# trend more slowly so one noisy window does not make a forecast.
+LEVEL_TAU_S = 20.0
+TREND_TAU_S = 60.0
+CAPACITY_STEP_DOWN = 0.85  # per window with the SLO missed under load
+CAPACITY_STEP_UP = 1.05  # per window with the SLO met with margin under load
+CAPACITY_RANGE = (0.2, 5.0)  # the estimate stays within these factors of the profile
+
+
+def recommend(obs: Observation, state: State, config: Config, now: float) -> Decision:
+    """Desired replicas for one model.
+
+    Args:
+        obs: the routers' observations since the previous call (see ``Observation``).
+        state: the previous decision's state, or ``State.initial(current, config, now)``.
+        config: the service's bounds, windows and capacity profile.
+        now: the caller's clock, seconds (monotonic or virtual).
+
+    Returns:
+        a ``Decision``; its ``state`` goes into the next call.
+
+    Raises:
+        ValueError: ``obs.window_s`` is not > 0.
+    """
+    if not obs.window_s > 0:
+        raise ValueError("obs.window_s must be > 0")
+    rate = obs.arrivals / obs.window_s
+    level, trend = _holt(state, rate, obs.window_s)
+    forecast = max(0.0, level + trend * config.boot_s)
+    attainment, samples = obs.attainment()
+    capacity, missed = _corrected_capacity(state, config, obs, rate, attainment, samples)
+    backlog = obs.queued + obs.held + obs.rejected
+    horizon = max(config.drain_s, config.boot_s)
+    backlog_rps = backlog / horizon
+    demand = max(rate, forecast) + backlog_rps
+    raw = math.ceil(demand / capacity - 1e-9)
+    if backlog and raw > obs.ready + obs.starting:
+        reason = "burst"
+    elif missed:
+        raw, reason = max(raw, state.replicas + 1), "slo-miss"
+    else:
+        reason = "forecast" if forecast > rate else "load"
+    active = obs.arrivals > 0 or obs.pending > 0
+    last_active = now if active else state.last_active
+    if not active and config.scale_to_zero and now - last_active >= config.idle_s:
+        raw, reason = 0, "idle"
+    elif raw < state.replicas:  # consolidation: the smaller fleet keeps a margin
+        safe = math.ceil(max(rate, forecast) / (capacity * (1 - config.down_margin)) - 1e-9)
+        raw = max(raw, min(safe, state.replicas))
+        reason = "consolidate"
+    floor = config.min_replicas if not obs.pending else max(1, config.min_replicas)
+    bounded = min(max(raw, floor), config.max_replicas)
+    if bounded != raw and reason != "idle":
+        reason = "bounds"
+    history = _trim(state.history + ((now, bounded),), now, config)
+    if reason == "idle" and bounded == 0:  # idle_s was the window
+        replicas = 0
+    elif state.replicas == 0 and bounded > 0:  # requests are held: wake now, no window
+        replicas, reason = bounded, "wake"
+    else:
+        replicas = _stabilized(state.replicas, bounded, history, now, config)
+    if replicas == state.replicas:
+        reason = "stabilizing" if bounded != state.replicas else "steady"
+    next_state = replace(state, replicas=replicas, capacity_rps=capacity, level_rps=level,
+                         trend_rps_per_s=trend, last_active=last_active, history=history,
+                         last_time=now)
+    return Decision(replicas, reason, next_state, demand, capacity, attainment,
+                    {"rate_rps": rate, "forecast_rps": forecast, "backlog": float(backlog),
+                     "raw": float(bounded)})
+
+
+def _holt(state: State, rate: float, dt: float) -> tuple[float, float]:
+    """Holt's linear smoothing of the arrival rate (level, trend), time-aware."""
+    if state.last_time is None and state.level_rps == 0.0:
+        return rate, 0.0
+    a = 1.0 - math.exp(-dt / LEVEL_TAU_S)
+    b = 1.0 - math.exp(-dt / TREND_TAU_S)
+    predicted = state.level_rps + state.trend_rps_per_s * dt
+    level = max(0.0, predicted + a * (rate - predicted))
+    trend = state.trend_rps_per_s + b * ((level - state.level_rps) / dt - state.trend_rps_per_s)
+    return level, trend
+
+
+def _corrected_capacity(state: State, config: Config, obs: Observation, rate: float,
+                        attainment: float | None, samples: int) -> tuple[float, bool]:
+    """The capacity estimate after this window, and whether the SLO was missed under load.
+
+    Only windows with load near the estimate teach anything: a miss at low load is not a
+    capacity problem (a long prompt, a cold cache), and meeting the SLO at low load says
+    nothing about the limit.
+    """
+    capacity = state.capacity_rps
+    replicas = max(1, obs.ready)
+    per_replica = rate / replicas
+    if attainment is None or samples < config.min_samples:
+        return capacity, False
+    missed = attainment < config.attainment_target
+    if missed and per_replica >= 0.5 * capacity:
+        capacity *= CAPACITY_STEP_DOWN
+    elif not missed and per_replica >= 0.8 * capacity \
+            and attainment >= 1 - (1 - config.attainment_target) / 2:
+        capacity *= CAPACITY_STEP_UP
+    low, high = (f * config.capacity_rps for f in CAPACITY_RANGE)
+    return min(max(capacity, low), high), missed and per_replica >= 0.5 * capacity
+
+
+def _trim(history: tuple[tuple[float, int], ...], now: float,
+          config: Config) -> tuple[tuple[float, int], ...]:
+    keep = max(config.scale_up_window_s, config.scale_down_window_s)
+    return tuple((t, r) for t, r in history if now - t <= keep)
+
+
+def _stabilized(current: int, wanted: int, history: tuple[tuple[float, int], ...], now: float,
+                config: Config) -> int:
+    """Kubernetes HPA v2 behaviour: going up, the lowest recommendation of the up window;
+    going down, the highest of the down window; never past ``wanted``."""
+    if wanted > current:
+        window = [r for t, r in history if now - t <= config.scale_up_window_s]
+        return max(current, min(window))
+    if wanted < current:
+        window = [r for t, r in history if now - t <= config.scale_down_window_s]
+        return min(current, max(window))
+    return current

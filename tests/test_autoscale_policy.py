@@ -1,0 +1,163 @@
+"""The pure autoscaling policy under a fake clock and scripted observations."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.autoscale.policy import Config, Observation, State, recommend
+
+CFG = Config(min_replicas=1, max_replicas=10, capacity_rps=2.0, scale_up_window_s=0.0,
+             scale_down_window_s=60.0, boot_s=10.0, drain_s=10.0)
+
+
+def run(config: Config, state: State, script: list[Observation], start: float = 0.0,
+        step: float = 5.0):
+    """Feed ``script`` one window each ``step`` seconds; the decisions in order."""
+    decisions, now = [], start
+    for obs in script:
+        now += step
+        decision = recommend(obs, state, config, now)
+        decisions.append(decision)
+        state = decision.state
+    return decisions
+
+
+def steady(rps: float, ready: int, step: float = 5.0, **kw) -> Observation:
+    return Observation(window_s=step, arrivals=round(rps * step), ready=ready, **kw)
+
+
+def test_a_burst_jumps_by_what_the_backlog_needs_not_one():
+    state = State.initial(1, CFG, now=0.0)
+    # 8 req/s against 2 req/s per replica, 40 queued: 8/2 + 40/10/2 = 6 replicas at once
+    decision = recommend(Observation(window_s=5.0, arrivals=40, queued=40, ready=1), state,
+                         CFG, now=5.0)
+    assert (decision.replicas, decision.reason) == (6, "burst")
+    assert decision.demand_rps == pytest.approx(8.0 + 4.0)
+
+
+def test_starting_replicas_count_as_capacity_on_the_way():
+    """While the 6 start, the same load keeps asking for 6, not 6 more (no 2→4→8→16)."""
+    state = State.initial(1, CFG, now=0.0)
+    first = recommend(Observation(5.0, arrivals=40, queued=40, ready=1), state, CFG, 5.0)
+    second = recommend(Observation(5.0, arrivals=40, queued=40, ready=1, starting=5),
+                       first.state, CFG, 10.0)
+    assert (first.replicas, second.replicas) == (6, 6)
+
+
+def test_held_requests_at_zero_wake_one_replica_at_once():
+    config = Config(min_replicas=0, max_replicas=3, scale_to_zero=True, capacity_rps=2.0,
+                    scale_up_window_s=30.0)
+    state = State(replicas=0, capacity_rps=2.0)
+    decision = recommend(Observation(1.0, arrivals=1, held=1), state, config, now=100.0)
+    assert (decision.replicas, decision.reason) == (1, "wake")
+
+
+def test_idle_goes_to_zero_after_idle_seconds_only_with_scale_to_zero():
+    config = Config(min_replicas=0, max_replicas=3, scale_to_zero=True, capacity_rps=2.0,
+                    idle_s=30.0, scale_down_window_s=600.0)
+    decisions = run(config, State.initial(1, config, 0.0), [steady(0, 1)] * 7)
+    assert [d.replicas for d in decisions] == [1, 1, 1, 1, 1, 0, 0]
+    assert decisions[5].reason == "idle"
+    # without scaleToZero the floor is minReplicas
+    decisions = run(CFG, State.initial(1, CFG, 0.0), [steady(0, 1)] * 20)
+    assert {d.replicas for d in decisions} == {1}
+
+
+def test_never_below_one_while_requests_are_in_flight():
+    config = Config(min_replicas=0, max_replicas=3, scale_to_zero=True, capacity_rps=2.0,
+                    idle_s=0.0, scale_down_window_s=0.0)
+    decision = recommend(Observation(5.0, in_flight=1, ready=1), State.initial(1, config, 0.0),
+                         config, 5.0)
+    assert decision.replicas == 1
+
+
+def test_scale_up_stabilization_holds_a_short_spike():
+    config = Config(min_replicas=1, max_replicas=10, capacity_rps=2.0, scale_up_window_s=12.0)
+    script = [steady(8, 1), steady(1, 1), steady(8, 1), steady(8, 1), steady(8, 1)]
+    decisions = run(config, State.initial(1, config, 0.0), script)
+    # one window of 8 req/s is not enough (the 1 of the restart is in the 12 s window, and
+    # then the dip's); only once every recommendation of the last 12 s is high: 4
+    assert [d.replicas for d in decisions][:2] == [1, 1]
+    assert decisions[0].reason == "stabilizing"
+    assert decisions[-1].replicas == 4
+
+
+def test_scale_down_waits_for_its_window_and_keeps_a_margin():
+    state = State.initial(4, CFG, now=0.0)
+    # 3 req/s: 2 replicas would run at 75 % of capacity (> 80 % margin allowed? 1.5 ≤ 1.6)
+    decisions = run(CFG, state, [steady(3, 4)] * 14)
+    replicas = [d.replicas for d in decisions]
+    assert replicas[:12] == [4] * 12  # the restart's own recommendation holds 60 s
+    assert replicas[12:] == [2, 2]
+    assert decisions[12].reason == "consolidate"
+
+
+def test_consolidation_refuses_a_scale_down_that_would_break_the_slo():
+    """3.4 req/s over 2 replicas is 1.7 each, above 2 × (1 − 0.2) = 1.6: stay at 3 even
+    though 3.4 / 2 = 1.7 fits the raw capacity."""
+    state = State.initial(3, CFG, now=0.0)
+    decisions = run(CFG, state, [steady(3.4, 3)] * 20)
+    assert {d.replicas for d in decisions} == {3}
+
+
+def test_a_restart_recovers_without_dropping_replicas():
+    """A fresh state from what exists (5 replicas) with no traffic yet: no scale-down for a
+    full window, then a consolidation step."""
+    state = State.initial(5, CFG, now=1000.0)
+    decisions = run(CFG, state, [steady(0.0, 5)] * 14, start=1000.0)
+    assert [d.replicas for d in decisions[:12]] == [5] * 12
+    assert decisions[-1].replicas == 1
+
+
+def test_bounds():
+    config = Config(min_replicas=2, max_replicas=3, capacity_rps=1.0)
+    up = recommend(Observation(5.0, arrivals=100, queued=50, ready=2),
+                   State.initial(2, config, 0.0), config, 5.0)
+    assert (up.replicas, up.reason) == (3, "bounds")
+    idle = run(config, State.initial(3, config, 0.0), [steady(0, 3)] * 80)
+    assert idle[-1].replicas == 2
+
+
+def test_slo_miss_under_load_lowers_the_capacity_estimate_and_adds_a_replica():
+    state = State.initial(2, CFG, now=0.0)
+    obs = Observation(5.0, arrivals=18, ttft_met=10, ttft_total=18, ready=2)  # 3.6 rps, 56 %
+    decision = recommend(obs, state, CFG, 5.0)
+    assert decision.capacity_rps == pytest.approx(2.0 * 0.85)
+    assert (decision.replicas, decision.reason) == (3, "slo-miss")
+    assert decision.attainment == pytest.approx(10 / 18)
+
+
+def test_slo_met_with_margin_under_load_raises_the_estimate():
+    state = State.initial(2, CFG, now=0.0)
+    obs = Observation(5.0, arrivals=17, ttft_met=17, ttft_total=17, ready=2)  # 1.7 rps each
+    assert recommend(obs, state, CFG, 5.0).capacity_rps == pytest.approx(2.0 * 1.05)
+    # at low load the estimate does not move
+    low = Observation(5.0, arrivals=10, ttft_met=10, ttft_total=10, ready=2)
+    assert recommend(low, state, CFG, 5.0).capacity_rps == pytest.approx(2.0)
+
+
+def test_a_rising_rate_is_forecast_over_the_boot_time():
+    config = Config(min_replicas=1, max_replicas=20, capacity_rps=1.0, boot_s=60.0,
+                    scale_down_window_s=600.0)
+    script = [steady(r, 4) for r in (1, 2, 3, 4, 5, 6, 7)]
+    decisions = run(config, State.initial(4, config, 0.0), script)
+    last = decisions[-1]
+    assert last.details["forecast_rps"] > last.details["rate_rps"]
+    assert last.replicas > 7 and last.reason == "forecast"
+
+
+def test_deterministic():
+    script = [steady(r, 2) for r in (1, 5, 9, 2, 0, 3)]
+    a = run(CFG, State.initial(2, CFG, 0.0), script)
+    b = run(CFG, State.initial(2, CFG, 0.0), script)
+    assert [(d.replicas, d.reason, d.state) for d in a] == [(d.replicas, d.reason, d.state)
+                                                             for d in b]
+
+
+@pytest.mark.parametrize("kw", [dict(min_replicas=3, max_replicas=2),
+                                dict(min_replicas=0, max_replicas=2),
+                                dict(scale_down_window_s=-1.0),
+                                dict(capacity_rps=0.0)])
+def test_bad_configs_are_refused(kw):
+    with pytest.raises(ValueError):
+        Config(**kw)
