@@ -177,6 +177,20 @@ class AutoscalingSpec(_Spec):
                                                   "recommendation must persist before scaling up.")
     scale_down_stabilization_seconds: float = Field(300.0, ge=0, description="Seconds a lower "
                                                     "recommendation must persist before scaling down.")
+    idle_seconds: float = Field(300.0, ge=0, description="With scaleToZero: seconds without "
+                                "any request before going to 0 replicas.")
+    capacity_rps: float | None = Field(None, alias="capacityRPS", gt=0, description="Requests "
+                                       "per second one replica serves within the SLO at its "
+                                       "percentile (`sluice profile` measures it); corrected "
+                                       "online from observed attainment. Unset: 1.")
+    boot_seconds: float = Field(30.0, ge=0, description="Seconds from asking for a replica to "
+                                "its readiness: the arrival forecast's horizon.")
+    hold_seconds: float = Field(60.0, gt=0, description="Seconds the router holds a request "
+                                "while no replica is ready (scale from zero) before answering "
+                                "503 with Retry-After.")
+    drain_seconds: float = Field(120.0, gt=0, description="Seconds a replica being removed may "
+                                 "take to finish its in-flight requests after it leaves "
+                                 "routing (the pod's termination grace covers it).")
 
 
 class RoutingSpec(_Spec):

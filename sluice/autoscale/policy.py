@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from sluice.api.service import InferenceServiceSpec
+
 # Reasons a decision carries (metrics label values: a fixed set).
 REASONS = ("steady", "load", "burst", "forecast", "slo-miss", "consolidate", "idle", "wake", "bounds",
            "stabilizing")
@@ -72,6 +74,24 @@ class Config:
     drain_s: float = 30.0
     down_margin: float = 0.2
     min_samples: int = 10
+
+    @classmethod
+    def from_spec(cls, spec: InferenceServiceSpec) -> Config:
+        """The policy's view of an InferenceService spec (``spec.autoscaling``, the replica
+        bounds and ``spec.slo.percentile``); ``maxReplicas`` unset: ``replicas``.
+
+        Raises:
+            ValueError: bounds the spec's own validation lets through but the policy
+                cannot use (e.g. ``maxReplicas`` 0 via ``replicas`` 0 without a maximum).
+        """
+        scaling = spec.autoscaling
+        return cls(min_replicas=spec.min_replicas,
+                   max_replicas=spec.max_replicas or max(spec.replicas, spec.min_replicas, 1),
+                   scale_to_zero=scaling.scale_to_zero, idle_s=scaling.idle_seconds,
+                   scale_up_window_s=scaling.scale_up_stabilization_seconds,
+                   scale_down_window_s=scaling.scale_down_stabilization_seconds,
+                   capacity_rps=scaling.capacity_rps or 1.0,
+                   attainment_target=spec.slo.percentile / 100.0, boot_s=scaling.boot_seconds)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:

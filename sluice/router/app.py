@@ -64,7 +64,8 @@ DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "t
 DROP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding",
                          "date", "server"}
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
-DISCOVERY = ("static", "kubernetes")
+DISCOVERY = ("static", "kubernetes", "file")
+NO_WORKER_RETRY_AFTER_S = 5  # a replica may be starting (scale from zero)
 
 
 @dataclass
@@ -73,7 +74,9 @@ class RouterConfig:
 
     Attributes:
         workers: worker base URLs (static discovery).
-        discovery: ``static`` (``workers``) or ``kubernetes``.
+        discovery: ``static`` (``workers``), ``kubernetes``, or ``file`` (``workers_file``,
+            re-read when it changes: the ``sluice up`` supervisor's autoscaled worker set).
+        workers_file: the JSON file of file discovery (``EndpointSet.reload_file``).
         namespace: the namespace Kubernetes discovery watches.
         kubeconfig: kubeconfig path for Kubernetes discovery; None: ``$KUBECONFIG``, the
             in-cluster service account, or ``~/.kube/config``.
@@ -87,6 +90,7 @@ class RouterConfig:
 
     workers: list[str] = field(default_factory=list)
     discovery: str = "static"
+    workers_file: str | None = None
     namespace: str = "default"
     kubeconfig: str | None = None
     dispatch: DispatchSettings = field(default_factory=DispatchSettings)
@@ -139,6 +143,7 @@ class _Exchange:
         self._gaps = 0
         state.metrics.in_flight.inc()
         state.dispatcher.dispatched(endpoint, routing)
+        state.dispatcher.demand.started(self.model)
 
     def on_headers(self, status: int, headers: Any) -> None:
         self.status = status
@@ -160,6 +165,8 @@ class _Exchange:
     def _first_token(self, now: float) -> None:
         self._first_token_at = now
         self.state.metrics.ttft.observe(now - self.start)
+        self.state.dispatcher.demand.first_token(self.model, now - self.start,
+                                                 self.routing.ttft_slo_s)
         self.lease.first_token()
         self.state.dispatcher.first_token(self.endpoint, self.prediction, now - self.sent_at,
                                           self.model)
@@ -174,6 +181,8 @@ class _Exchange:
         if self._gaps and self._first_token_at is not None and self._last_chunk is not None:
             gap = (self._last_chunk - self._first_token_at) / self._gaps
         self.state.dispatcher.finished(self.endpoint, self.prediction, gap, self.model)
+        self.state.dispatcher.demand.finished(self.model, gap if counted else None,
+                                              self.routing.itl_slo_s)
         if counted:
             self.state.metrics.e2e.observe(time.monotonic() - self.start)
             self.state.metrics.requests.labels(self.model, str(self.status)).inc()
@@ -209,17 +218,20 @@ async def route_request(request: Request, path: str) -> Response:
     except BadRoutingHeader as exc:
         return _count(state, model, openai_error(400, str(exc), "invalid_request_error",
                                                  exc.param))
-    released = False
-    if state.endpoints.ready_for(model):
-        try:
-            released = not state.dispatcher.admit_now(routing) and await unless_disconnected(
-                request.receive, state.dispatcher.admit(routing))
-        except Rejected as exc:
-            response = openai_error(429, str(exc), "rate_limit_error", code=exc.reason)
-            response.headers["Retry-After"] = str(exc.retry_after_s)
-            return _count(state, model, response)
-        except ClientDisconnected:
-            return _count(state, model, Response(status_code=CLIENT_CLOSED))
+    state.dispatcher.demand.arrived(model)
+    try:
+        if not state.endpoints.ready_for(model) and not await unless_disconnected(
+                request.receive, state.dispatcher.hold(model)):
+            return _no_ready_worker(state, model)
+        released = not state.dispatcher.admit_now(routing) and await unless_disconnected(
+            request.receive, state.dispatcher.admit(routing))
+    except Rejected as exc:
+        state.dispatcher.demand.rejected(model)
+        response = openai_error(429, str(exc), "rate_limit_error", code=exc.reason)
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return _count(state, model, response)
+    except ClientDisconnected:
+        return _count(state, model, Response(status_code=CLIENT_CLOSED))
     try:
         return await _dispatch(request, state, routing, raw, path, start, released)
     finally:
@@ -258,9 +270,16 @@ async def _dispatch(request: Request, state: RouterState, routing: RoutingReques
         return _count(state, model, openai_error(
             502, f"could not connect to any worker serving `{model}`", "server_error",
             code="upstream_unreachable"))
-    return _count(state, model, openai_error(
-        503, f"no ready worker serves `{model}`; retry shortly", "server_error",
-        code="no_ready_worker"))
+    return _no_ready_worker(state, model)
+
+
+def _no_ready_worker(state: RouterState, model: str) -> Response:
+    """503 + ``Retry-After``: no replica of ``model`` is ready (after any hold)."""
+    state.dispatcher.demand.rejected(model)
+    response = openai_error(503, f"no ready worker serves `{model}`; retry shortly",
+                            "server_error", code="no_ready_worker")
+    response.headers["Retry-After"] = str(NO_WORKER_RETRY_AFTER_S)
+    return _count(state, model, response)
 
 
 def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response | None]:
@@ -457,7 +476,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client, \
                 aiohttp.ClientSession(connector=connector, timeout=proxy_timeout,
                                       auto_decompress=False, trust_env=False) as session:
-            endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval)
+            endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval,
+                                    workers_file=config.workers_file)
             metrics = RouterMetrics()
             dispatcher = Dispatcher(endpoints, config.dispatch, metrics)
             endpoints.on_polled = dispatcher.tick
@@ -500,6 +520,12 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def models(request: Request) -> dict[str, Any]:
         return {"object": "list", "data": request.app.state.router.endpoints.model_entries()}
 
+    @app.get("/autoscale/demand")
+    async def autoscale_demand(request: Request) -> dict[str, Any]:
+        """Per served model: demand counters and gauges for autoscalers
+        (``sluice.router.demand``, ``sluice.autoscale.observe``)."""
+        return {"models": request.app.state.router.dispatcher.demand_snapshot()}
+
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         """200 while at least one worker is ready, else 503; the body lists the workers."""
@@ -529,7 +555,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "discovery)")
     parser.add_argument("--discovery", choices=DISCOVERY, default="static",
                         help="static: the --worker URLs; kubernetes: the ready endpoints of the "
-                        "InferenceServices' worker Services in --namespace")
+                        "InferenceServices' worker Services in --namespace; file: the "
+                        "--workers-file, re-read when it changes")
+    parser.add_argument("--workers-file", default=None, metavar="PATH",
+                        help="file discovery: JSON {\"workers\": [URL, ...], \"models\": "
+                        "[NAME, ...]} (written by `sluice up` when it autoscales)")
     parser.add_argument("--namespace", default=None,
                         help="namespace to watch (kubernetes discovery; default: the pod's own "
                         "namespace, else 'default')")
@@ -557,6 +587,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout,
                         help="seconds a request may wait in the queue before 429 "
                         "(default: %(default)s)")
+    parser.add_argument("--hold-timeout", type=float, default=defaults.hold_s,
+                        help="seconds a request waits for a ready worker when none is ready "
+                        "(scale from zero) before 503; an InferenceService with autoscaling "
+                        "sets its own (default: %(default)s: no wait)")
     parser.add_argument("--connect-timeout", type=float, default=5.0,
                         help="seconds to connect to a worker (default: %(default)s)")
     parser.add_argument("--first-byte-timeout", type=float, default=300.0,
@@ -572,17 +606,22 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     kubernetes = args.discovery == "kubernetes"
-    if kubernetes and args.worker:
-        logger.error("--worker and --discovery kubernetes are exclusive")
+    if args.discovery != "static" and args.worker:
+        logger.error("--worker and --discovery %s are exclusive", args.discovery)
         return 2
-    if not kubernetes and not args.worker:
+    if (args.discovery == "file") != (args.workers_file is not None):
+        logger.error("--workers-file goes with, and only with, --discovery file")
+        return 2
+    if args.discovery == "static" and not args.worker:
         logger.warning("no --worker given: every request will get 503")
     namespace = args.namespace or discovery.default_namespace()
     dispatch = DispatchSettings(
         policy=args.policy, load_factor=args.load_factor, slo_ttft_ms=args.slo_ttft_ms or None,
         slo_itl_ms=args.slo_itl_ms or None, max_queue=args.max_queue,
-        queue_timeout=args.queue_timeout, prefix_key_chars=args.prefix_key_chars)
-    config = RouterConfig(workers=args.worker, discovery=args.discovery, namespace=namespace,
+        queue_timeout=args.queue_timeout, prefix_key_chars=args.prefix_key_chars,
+        hold_s=args.hold_timeout)
+    config = RouterConfig(workers=args.worker, discovery=args.discovery,
+                          workers_file=args.workers_file, namespace=namespace,
                           kubeconfig=args.kubeconfig, dispatch=dispatch,
                           connect_timeout=args.connect_timeout,
                           first_byte_timeout=args.first_byte_timeout,
@@ -600,6 +639,7 @@ def run(args: argparse.Namespace) -> int:
     quiet_probe_access_logs()
     logger.info("router on http://%s:%d in front of %s", args.host, args.port,
                 f"the InferenceServices in namespace {namespace}" if kubernetes
+                else f"the workers in {args.workers_file}" if args.workers_file
                 else ", ".join(args.worker) or "no workers")
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                 timeout_graceful_shutdown=30)

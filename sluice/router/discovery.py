@@ -108,13 +108,16 @@ class ServiceView:
     itl_ms: float | None = None
     strategy: str | None = None
     load_factor: float | None = None
+    hold_s: float | None = None
 
 
 def service_view(isvc: Mapping[str, Any]) -> ServiceView:
-    """``spec.model.name``, ``spec.slo.{ttftMs, itlMs}`` and ``spec.routing.{strategy,
-    loadFactor}`` of an InferenceService as JSON."""
+    """``spec.model.name``, ``spec.slo.{ttftMs, itlMs}``, ``spec.routing.{strategy,
+    loadFactor}`` and, with autoscaling on, ``spec.autoscaling.holdSeconds`` of an
+    InferenceService as JSON."""
     spec = isvc.get("spec") or {}
     slo, routing = spec.get("slo") or {}, spec.get("routing") or {}
+    scaling = spec.get("autoscaling") or {}
 
     def positive(value: Any) -> float | None:
         ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
@@ -123,7 +126,9 @@ def service_view(isvc: Mapping[str, Any]) -> ServiceView:
     strategy = routing.get("strategy")
     return ServiceView(served_model(isvc), positive(slo.get("ttftMs")), positive(slo.get("itlMs")),
                        strategy if isinstance(strategy, str) else None,
-                       positive(routing.get("loadFactor")))
+                       positive(routing.get("loadFactor")),
+                       positive(scaling.get("holdSeconds", 60.0)) if scaling.get("enabled") is True
+                       else None)
 
 
 def model_settings(views: Mapping[str, ServiceView]) -> dict[str, ModelSettings]:
@@ -134,7 +139,7 @@ def model_settings(views: Mapping[str, ServiceView]) -> dict[str, ModelSettings]
         view = views[name]
         if view.model is not None:
             out.setdefault(view.model, ModelSettings(view.ttft_ms, view.itl_ms, view.strategy,
-                                                     view.load_factor))
+                                                     view.load_factor, view.hold_s))
     return out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.router.admission import AdmissionQueue
+from sluice.router.demand import Demand
 from sluice.router.endpoints import Endpoint, EndpointSet, ModelSettings
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES, PolicyContext,
@@ -65,6 +66,8 @@ class DispatchSettings:
         max_queue: most requests waiting per model; 0: reject what the gate refuses.
         queue_timeout: seconds a request may wait in the queue.
         prefix_key_chars: characters of the prompt that make the prefix key.
+        hold_s: seconds a request for a served model with no ready replica waits for one
+            (scale from zero) before 503, unless its InferenceService sets its own; 0: none.
     """
 
     policy: str = DEFAULT_POLICY
@@ -74,6 +77,7 @@ class DispatchSettings:
     max_queue: int = 256
     queue_timeout: float = 60.0
     prefix_key_chars: int = KEY_CHARS
+    hold_s: float = 0.0
 
 
 def _positive_ms(value: Any, param: str) -> float:
@@ -119,6 +123,7 @@ class Dispatcher:
         self.admission: AdmissionQueue[RoutingRequest] = AdmissionQueue(
             settings.max_queue, settings.queue_timeout, self._retry_after, self._queue_changed)
         self.errors = ErrorTracker()
+        self.demand = Demand()  # what the autoscaler reads (GET /autoscale/demand)
         self.mean_ttft_s = 0.0  # EWMA of observed TTFTs (Retry-After estimates)
         # model → when its queue last released a request that has not been leased yet:
         # until it is, the load the gate reads does not show it, so nothing else goes
@@ -207,8 +212,30 @@ class Dispatcher:
             self._releasing[model] = time.monotonic()
 
     def tick(self) -> None:
-        """Re-check every queue (after a poll: workers may have turned ready)."""
+        """Re-check every queue and held request (after a poll: workers may have turned
+        ready)."""
         self.admission.kick_all(lambda model: self.gate)
+        self.demand.wake()
+
+    async def hold(self, model: str) -> bool:
+        """Wait for a ready replica of ``model`` (scale from zero) up to its hold time;
+        True when one is ready. No hold configured: False at once."""
+        declared = self.endpoints.settings.get(model)
+        hold_s = declared.hold_s if declared is not None and declared.hold_s else \
+            self.settings.hold_s
+        if hold_s <= 0:
+            return bool(self.endpoints.ready_for(model))
+        return await self.demand.hold(model, lambda: bool(self.endpoints.ready_for(model)),
+                                      hold_s)
+
+    def demand_snapshot(self) -> dict[str, dict[str, int]]:
+        """Per model: the demand counters and gauges, with ``queued`` (admission) added."""
+        snapshot = self.demand.snapshot()
+        for model in self.admission.models():
+            snapshot.setdefault(model, {})
+        for model, entry in snapshot.items():
+            entry["queued"] = self.admission.waiting(model)
+        return snapshot
 
     def _queue_changed(self, model: str, waiting: int, rejected: str | None) -> None:
         self.metrics.queue_length.labels(model).set(max(0, waiting))

@@ -16,7 +16,9 @@ then forgotten.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -50,12 +52,15 @@ class ModelSettings:
         itl_ms: ``spec.slo.itlMs``.
         strategy: ``spec.routing.strategy`` (a name in ``sluice.router.policy.POLICIES``).
         load_factor: ``spec.routing.loadFactor``.
+        hold_s: ``spec.autoscaling.holdSeconds`` when autoscaling is on: how long a request
+            waits for a ready replica (scale from zero) before 503.
     """
 
     ttft_ms: float | None = None
     itl_ms: float | None = None
     strategy: str | None = None
     load_factor: float | None = None
+    hold_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,7 @@ class EndpointSet:
     """
 
     def __init__(self, urls: Sequence[str] = (), poll_interval: float = 1.0,
-                 poll_timeout: float = 2.0):
+                 poll_timeout: float = 2.0, workers_file: str | None = None):
         self._endpoints: dict[str, Endpoint] = {}
         for url in sorted(u.rstrip("/") for u in urls):
             self._endpoints.setdefault(url, Endpoint(url))
@@ -230,6 +235,8 @@ class EndpointSet:
         self.on_polled: Callable[[], None] = lambda: None  # e.g. re-check admission queues
         # served model → its InferenceService's objectives and routing (discovery)
         self.settings: dict[str, ModelSettings] = {}
+        self.workers_file = workers_file  # file discovery (``sluice up``): re-read on change
+        self._file_stamp: tuple[int, int] | None = None
 
     def sync(self, urls: Iterable[str], declared_models: Iterable[str],
              settings: dict[str, ModelSettings] | None = None) -> None:
@@ -304,11 +311,16 @@ class EndpointSet:
         return any(e.listed and e.ready for e in self)
 
     def model_entries(self) -> list[dict[str, Any]]:
-        """The union of the listed workers' ``/v1/models`` entries, one per id, sorted by id."""
+        """The union of the listed workers' ``/v1/models`` entries, one per id, sorted by id;
+        a model discovery declares and no listed worker serves (e.g. at zero replicas) gets
+        a minimal entry, so clients still find it."""
         union: dict[str, dict[str, Any]] = {}
         for endpoint in self.listed():
             for model_id, entry in endpoint.models.items():
                 union.setdefault(model_id, entry)
+        for model_id in self._declared or ():
+            union.setdefault(model_id, {"id": model_id, "object": "model", "created": 0,
+                                        "owned_by": "sluice"})
         return [union[k] for k in sorted(union)]
 
     def mark_down(self, endpoint: Endpoint, reason: str) -> None:
@@ -318,9 +330,35 @@ class EndpointSet:
         endpoint.ready = False
         endpoint.next_poll = 0.0
 
+    def reload_file(self) -> None:
+        """File discovery: when ``workers_file`` changed, ``sync`` to what it lists now.
+
+        The file is JSON, ``{"workers": [URL, ...], "models": [NAME, ...]}``, replaced
+        atomically by its writer (the ``sluice up`` supervisor adds and drains workers
+        through it); ``models`` are served even with no worker (scale to zero). A missing or
+        malformed file keeps the last good view (logged once per change).
+        """
+        try:
+            stat = os.stat(self.workers_file)
+            stamp = (stat.st_mtime_ns, stat.st_ino)
+            if stamp == self._file_stamp:
+                return
+            self._file_stamp = stamp
+            with open(self.workers_file) as f:
+                data = json.load(f)
+            urls, models = data["workers"], data.get("models", [])
+            if not all(isinstance(u, str) for u in [*urls, *models]):
+                raise ValueError("workers and models must be lists of strings")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("workers file %s not used: %s", self.workers_file, _describe(exc))
+            return
+        self.sync(urls, models, self.settings)
+
     async def poll(self, client: httpx.AsyncClient) -> None:
         """Poll every listed endpoint that is due, concurrently; never raises for a bad
         worker. Also forgets unlisted endpoints whose last request has finished."""
+        if self.workers_file is not None:
+            self.reload_file()
         self.prune()
         now = time.monotonic()
         due = [e for e in self.listed() if e.next_poll <= now]
