@@ -35,6 +35,20 @@ ROUTER_RETRIES = "sluice_router_retries_total"
 ROUTER_TTFT_PREDICTION_MAPE = "sluice_router_ttft_prediction_mape"
 ROUTER_TTFT_PREDICTION_ERROR = "sluice_router_ttft_prediction_error_seconds"
 
+# router: demand as admission sees it (what the autoscaler reads; per model)
+ROUTER_ARRIVALS = "sluice_router_arrivals_total"
+ROUTER_HELD = "sluice_router_held_requests"
+ROUTER_SLO_REQUESTS = "sluice_router_slo_requests_total"
+ROUTER_SLO_MET = "sluice_router_slo_met_total"
+
+# autoscaler (operator in Kubernetes, the supervisor in `sluice up`; per model)
+AUTOSCALER_DESIRED = "sluice_autoscaler_desired_replicas"
+AUTOSCALER_READY = "sluice_autoscaler_ready_replicas"
+AUTOSCALER_DECISIONS = "sluice_autoscaler_decisions_total"
+AUTOSCALER_DEMAND = "sluice_autoscaler_demand_rps"
+AUTOSCALER_CAPACITY = "sluice_autoscaler_capacity_rps"
+AUTOSCALER_ATTAINMENT = "sluice_autoscaler_slo_attainment"
+
 # histogram buckets, seconds (vLLM's TTFT/ITL buckets, trimmed)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

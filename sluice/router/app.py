@@ -50,7 +50,7 @@ from sluice.router import discovery
 from sluice.router.admission import Rejected
 from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
 from sluice.router.endpoints import Endpoint, EndpointSet, Lease, WorkerLoad
-from sluice.router.metrics import RouterMetrics
+from sluice.router.metrics import DemandCollector, RouterMetrics
 from sluice.router.policy import DEFAULT_POLICY, POLICIES, Prediction, RoutingRequest
 from sluice.router.relay import ClientDisconnected, RelayResponse, unless_disconnected
 
@@ -480,6 +480,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                                     workers_file=config.workers_file)
             metrics = RouterMetrics()
             dispatcher = Dispatcher(endpoints, config.dispatch, metrics)
+            metrics.registry.register(DemandCollector(dispatcher.demand_snapshot))
             endpoints.on_polled = dispatcher.tick
             app.state.router = RouterState(config, endpoints, dispatcher, metrics, client,
                                            session)

@@ -6,7 +6,10 @@ count as ``""``), ``status`` an HTTP status, ``reason`` one of a fixed few.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sluice.api import metrics as names
 
@@ -47,3 +50,30 @@ class RouterMetrics:
         self.prediction_error = Histogram(names.ROUTER_TTFT_PREDICTION_ERROR, "Absolute error "
                                           "of each TTFT prediction, seconds.",
                                           buckets=ERROR_BUCKETS, registry=reg)
+
+
+class DemandCollector:
+    """Exports the dispatcher's demand snapshot (``Dispatcher.demand_snapshot``) at scrape
+    time: arrivals, held requests and SLO attainment counts per model."""
+
+    def __init__(self, snapshot: Callable[[], Mapping[str, Mapping[str, int]]]):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        arrivals = CounterMetricFamily(names.ROUTER_ARRIVALS, "Requests that reached "
+                                       "admission (admitted, queued, held or refused), by "
+                                       "model.", labels=["model"])
+        held = GaugeMetricFamily(names.ROUTER_HELD, "Requests held now because no replica "
+                                 "of their model is ready (scale from zero).", labels=["model"])
+        requests = CounterMetricFamily(names.ROUTER_SLO_REQUESTS, "Streamed requests with an "
+                                       "objective, by model and objective (ttft, itl).",
+                                       labels=["model", "objective"])
+        met = CounterMetricFamily(names.ROUTER_SLO_MET, "Of those, the ones that met it.",
+                                  labels=["model", "objective"])
+        for model, entry in self.snapshot().items():
+            arrivals.add_metric([model], entry.get("arrivals", 0))
+            held.add_metric([model], entry.get("held", 0))
+            for objective in ("ttft", "itl"):
+                requests.add_metric([model, objective], entry.get(f"{objective}_total", 0))
+                met.add_metric([model, objective], entry.get(f"{objective}_met", 0))
+        yield from (arrivals, held, requests, met)
