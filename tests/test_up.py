@@ -19,7 +19,8 @@ import pytest
 
 from conftest import free_port
 from sluice.api.service import parse_manifest
-from sluice.local.supervisor import build_children, router_arguments, worker_arguments
+from sluice.local.supervisor import (initial_replicas, router_arguments, router_child,
+                                    worker_arguments, worker_child, worker_threads)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2.yaml"
@@ -56,15 +57,16 @@ def test_options_the_worker_lacks_are_clear_errors():
 
 
 def test_children_wiring():
-    children = build_children(["--model", "/m"], 2, "0.0.0.0", 9000)
-    workers, router = children[:2], children[2]
-    assert [c.name for c in children] == ["worker-0", "worker-1", "router"]
+    workers = [worker_child("native", ["--model", "/m"], i, env={"OMP_NUM_THREADS": "1"})
+               for i in range(2)]
+    router = router_child("0.0.0.0", 9000, "INFO", ["--worker", workers[0].url], 2)
+    assert [c.name for c in workers] == ["worker-0", "worker-1"]
     assert len({w.url for w in workers}) == 2
     for worker in workers:
         assert worker.argv[worker.argv.index("worker") + 1:][:2] == ["--model", "/m"]
         assert worker.argv[worker.argv.index("--port") + 1] == worker.url.rsplit(":", 1)[1]
-    assert [router.argv[i + 1] for i, a in enumerate(router.argv) if a == "--worker"] == \
-        [w.url for w in workers]
+        assert worker.env == {"OMP_NUM_THREADS": "1"}
+    assert router.argv[-2:] == ["--worker", workers[0].url]
     assert router.url == "http://127.0.0.1:9000" and router.ready_workers == 2
 
 
@@ -76,9 +78,34 @@ def test_router_gets_the_manifests_routing_and_objectives():
     argv = router_arguments(service)
     assert argv == ["--policy", "prefix", "--load-factor", "1.5", "--slo-ttft-ms", "500.0",
                     "--slo-itl-ms", "80.0"]
-    router = build_children(["--model", "/m"], 1, "127.0.0.1", 9000, router_args=argv)[-1]
+    router = router_child("127.0.0.1", 9000, "INFO", argv, 1)
     start = router.argv.index("--port") + 2
     assert router.argv[start:start + len(argv)] == argv
+
+
+def test_each_worker_gets_its_share_of_the_cores(caplog):
+    """resources.cpu when set; else the cores over the most workers that may run; a
+    warning when they exceed the machine."""
+    cores = len(os.sched_getaffinity(0))
+    assert worker_threads(parse_manifest(manifest(resources={"cpu": "1500m"})), 1) == 1
+    assert worker_threads(parse_manifest(manifest()), 1) == cores
+    assert worker_threads(parse_manifest(manifest()), cores) == 1
+    caplog.clear()
+    assert worker_threads(parse_manifest(manifest(resources={"cpu": cores})), 2) == cores
+    assert f"2 worker(s) x {cores} thread(s) exceed this machine's {cores} cores" in caplog.text
+
+
+def test_initial_replicas_follow_the_autoscaling_bounds():
+    scaled = {"enabled": True}
+    assert initial_replicas(parse_manifest(manifest(replicas=5, maxReplicas=2,
+                                                    autoscaling=scaled)), None) == 2
+    assert initial_replicas(parse_manifest(manifest(replicas=1, minReplicas=2, maxReplicas=3,
+                                                    autoscaling=scaled)), None) == 2
+    zero = parse_manifest(manifest(replicas=0, minReplicas=0, maxReplicas=2,
+                                   autoscaling={"enabled": True, "scaleToZero": True}))
+    assert initial_replicas(zero, None) == 0
+    with pytest.raises(ValueError, match="nothing would serve"):
+        initial_replicas(parse_manifest(manifest()), 0)
 
 
 def test_pvc_source_is_refused_locally(tmp_path):
@@ -101,12 +128,13 @@ def test_bad_manifest_exits_2_naming_the_field(tmp_path):
     assert "bad.yaml" in result.stderr and "spec.replicas" in result.stderr
 
 
-@pytest.mark.parametrize("replicas", ["0", "-1"])
-def test_up_needs_a_worker(replicas):
+@pytest.mark.parametrize("replicas, message", [("0", "0 replicas: nothing would serve"),
+                                               ("-1", "--replicas must be >= 0, got -1")])
+def test_up_needs_a_worker(replicas, message):
     result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f", str(EXAMPLE),
                              "--replicas", replicas, "--port", str(free_port())],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and f"--replicas must be >= 1, got {replicas}" in result.stderr
+    assert result.returncode == 2 and message in result.stderr
 
 
 def test_busy_port_exits_2_before_starting_anything():
@@ -293,11 +321,12 @@ def test_vllm_workers_run_in_vllms_own_environment(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SLUICE_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
     with pytest.raises(ValueError, match="run `make vllm`"):
-        build_children(["--model", "/m"], 1, "127.0.0.1", 9000, engine="vllm")
+        worker_child("vllm", ["--model", "/m"], 0)
     fake = tmp_path / "python"
     fake.touch()
     monkeypatch.setenv("SLUICE_VLLM_PYTHON", str(fake))
-    worker, router = build_children(["--model", "/m"], 1, "127.0.0.1", 9000, engine="vllm")
+    worker = worker_child("vllm", ["--model", "/m"], 0)
+    router = router_child("127.0.0.1", 9000, "INFO", [], 1)
     assert worker.argv[0] == str(fake) and router.argv[0] == sys.executable
     assert worker_python("native") == sys.executable
 

@@ -156,6 +156,16 @@ class ResourcesSpec(_Spec):
                                     json_schema_extra=_INT_OR_STRING)
     gpu: int | None = Field(None, alias="nvidia.com/gpu", ge=0, description="NVIDIA GPUs.")
 
+    def cpu_threads(self) -> int | None:
+        """Threads one replica may run (OMP_NUM_THREADS): ``cpu`` rounded down, at least 1;
+        None when ``cpu`` is unset. torch otherwise sizes its pool from the machine's cores,
+        and replicas sharing them oversubscribe every core."""
+        if self.cpu is None:
+            return None
+        from kubernetes.utils import parse_quantity
+
+        return max(1, int(parse_quantity(self.cpu)))
+
 
 class SLOSpec(_Spec):
     """Latency objectives the autoscaler and the router aim for."""
@@ -256,7 +266,8 @@ class _Status(BaseModel):
 class Condition(_Status):
     """One observation about the service, in Kubernetes' condition conventions."""
 
-    type: str = Field(min_length=1, description="`Ready`, `Progressing` or `Degraded`.")
+    type: str = Field(min_length=1, description="`Ready`, `Progressing`, `Degraded` or "
+                      "`Autoscaling`.")
     status: ConditionStatus = Field(description="`True`, `False` or `Unknown`.")
     reason: str = Field("", description="CamelCase reason for the last transition, e.g. "
                         "`MinimumReplicasAvailable`, `Unschedulable`, `InvalidSpec`.")
@@ -281,7 +292,21 @@ class InferenceServiceStatus(_Status):
     endpoint: str | None = Field(None, description="URL of the worker Service, e.g. "
                                  "`http://NAME-worker.NAMESPACE.svc:8000`.")
     conditions: list[Condition] = Field(default_factory=list, description="`Ready`, "
-                                        "`Progressing` and `Degraded`.")
+                                        "`Progressing` and `Degraded`; `Autoscaling` while "
+                                        "spec.autoscaling.enabled.")
+    desired_replicas: int | None = Field(None, ge=0, description="Replicas wanted: the "
+                                         "autoscaler's latest decision while "
+                                         "spec.autoscaling.enabled, else spec.replicas.")
+    last_scale_time: str | None = Field(None, description="When the autoscaler last changed "
+                                        "spec.replicas (RFC 3339).",
+                                        json_schema_extra={"format": "date-time"})
+    last_scale_reason: str | None = Field(None, description="Why, with the figures it used "
+                                          "(`burst`, `forecast`, `slo-miss`, `consolidate`, "
+                                          "`idle`, `wake`, `bounds`, `override`, ...).")
+    slo_attainment: float | None = Field(None, ge=0, le=1, description="Fraction of the "
+                                         "requests of the last minute that met the SLO (TTFT "
+                                         "and ITL), as the routers measured them; unset "
+                                         "without samples or with autoscaling off.")
 
     def condition(self, type_: str) -> Condition | None:
         """The condition of this type, or None."""

@@ -59,7 +59,8 @@ class Config:
         boot_s: seconds from asking for a replica to its readiness (the forecast horizon).
         drain_s: seconds within which a backlog should be drained by added replicas.
         down_margin: scale down only while rate / N' ≤ capacity × (1 − down_margin).
-        min_samples: requests with a TTFT in a window before attainment corrects capacity.
+        min_samples: requests (decayed over ``ATTAINMENT_TAU_S``) with an SLO verdict before
+            attainment corrects the capacity estimate.
     """
 
     min_replicas: int = 1
@@ -165,6 +166,8 @@ class State:
         replicas: the replicas it last decided.
         level_rps / trend_rps_per_s: Holt's smoothed arrival rate and its slope.
         capacity_rps: the current estimate of one replica's rate at the SLO.
+        slo_met / slo_total: requests that met the SLO / all with a verdict, both decayed
+            with ``ATTAINMENT_TAU_S`` (short windows hold few verdicts each).
         last_active: when demand (arrivals or pending requests) was last seen.
         history: (time, raw recommendation) within the longest stabilization window.
         last_time: the previous call's ``now`` (None before the first).
@@ -174,6 +177,8 @@ class State:
     capacity_rps: float
     level_rps: float = 0.0
     trend_rps_per_s: float = 0.0
+    slo_met: float = 0.0
+    slo_total: float = 0.0
     last_active: float = 0.0
     history: tuple[tuple[float, int], ...] = ()
     last_time: float | None = None
@@ -196,7 +201,8 @@ class Decision:
         state: pass it to the next call.
         demand_rps: the arrival rate the decision planned for (forecast + backlog), req/s.
         capacity_rps: the capacity estimate used, req/s per replica.
-        attainment: the window's SLO attainment (0..1), or None without samples.
+        attainment: recent SLO attainment (0..1, decayed over ``ATTAINMENT_TAU_S``), or
+            None without verdicts.
     """
 
     replicas: int
@@ -212,8 +218,10 @@ class Decision:
 # trend more slowly so one noisy window does not make a forecast.
 LEVEL_TAU_S = 20.0
 TREND_TAU_S = 60.0
-CAPACITY_STEP_DOWN = 0.85  # per window with the SLO missed under load
-CAPACITY_STEP_UP = 1.05  # per window with the SLO met with margin under load
+ATTAINMENT_TAU_S = 30.0  # SLO verdicts older than this count less and less
+CAPACITY_STEP_PERIOD_S = 10.0
+CAPACITY_STEP_DOWN = 0.85  # per 10 s with the SLO missed under load
+CAPACITY_STEP_UP = 1.05  # per 10 s with the SLO met with margin under load
 CAPACITY_RANGE = (0.2, 5.0)  # the estimate stays within these factors of the profile
 
 
@@ -237,8 +245,9 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     rate = obs.arrivals / obs.window_s
     level, trend = _holt(state, rate, obs.window_s)
     forecast = max(0.0, level + trend * config.boot_s)
-    attainment, samples = obs.attainment()
-    capacity, missed = _corrected_capacity(state, config, obs, rate, attainment, samples)
+    slo_met, slo_total = _attainment(state, obs)
+    attainment = slo_met / slo_total if slo_total else None
+    capacity, missed = _corrected_capacity(state, config, obs, rate, attainment, slo_total)
     backlog = obs.queued + obs.held + obs.rejected
     horizon = max(config.drain_s, config.boot_s)
     backlog_rps = backlog / horizon
@@ -260,8 +269,8 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
         reason = "consolidate"
     floor = config.min_replicas if not obs.pending else max(1, config.min_replicas)
     bounded = min(max(raw, floor), config.max_replicas)
-    if bounded != raw and reason != "idle":
-        reason = "bounds"
+    if bounded < raw:
+        reason = "bounds"  # capped at maxReplicas
     history = _trim(state.history + ((now, bounded),), now, config)
     if reason == "idle" and bounded == 0:  # idle_s was the window
         replicas = 0
@@ -272,8 +281,8 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     if replicas == state.replicas:
         reason = "stabilizing" if bounded != state.replicas else "steady"
     next_state = replace(state, replicas=replicas, capacity_rps=capacity, level_rps=level,
-                         trend_rps_per_s=trend, last_active=last_active, history=history,
-                         last_time=now)
+                         trend_rps_per_s=trend, slo_met=slo_met, slo_total=slo_total,
+                         last_active=last_active, history=history, last_time=now)
     return Decision(replicas, reason, next_state, demand, capacity, attainment,
                     {"rate_rps": rate, "forecast_rps": forecast, "backlog": float(backlog),
                      "raw": float(bounded)})
@@ -291,25 +300,33 @@ def _holt(state: State, rate: float, dt: float) -> tuple[float, float]:
     return level, trend
 
 
-def _corrected_capacity(state: State, config: Config, obs: Observation, rate: float,
-                        attainment: float | None, samples: int) -> tuple[float, bool]:
-    """The capacity estimate after this window, and whether the SLO was missed under load.
+def _attainment(state: State, obs: Observation) -> tuple[float, float]:
+    """(met, total) SLO verdicts, decayed over ``ATTAINMENT_TAU_S``, with this window's."""
+    decay = math.exp(-obs.window_s / ATTAINMENT_TAU_S)
+    fraction, samples = obs.attainment()
+    met = state.slo_met * decay + (fraction or 0.0) * samples
+    return met, state.slo_total * decay + samples
 
-    Only windows with load near the estimate teach anything: a miss at low load is not a
-    capacity problem (a long prompt, a cold cache), and meeting the SLO at low load says
-    nothing about the limit.
+
+def _corrected_capacity(state: State, config: Config, obs: Observation, rate: float,
+                        attainment: float | None, samples: float) -> tuple[float, bool]:
+    """The capacity estimate after this window, and whether the SLO is missed under load.
+
+    Only load near the estimate teaches anything: a miss at low load is not a capacity
+    problem (a long prompt, a cold cache), and meeting the SLO at low load says nothing
+    about the limit. Steps scale with the window (``CAPACITY_STEP_*`` per 10 s).
     """
     capacity = state.capacity_rps
-    replicas = max(1, obs.ready)
-    per_replica = rate / replicas
+    per_replica = rate / max(1, obs.ready)
     if attainment is None or samples < config.min_samples:
         return capacity, False
     missed = attainment < config.attainment_target
+    steps = obs.window_s / CAPACITY_STEP_PERIOD_S
     if missed and per_replica >= 0.5 * capacity:
-        capacity *= CAPACITY_STEP_DOWN
+        capacity *= CAPACITY_STEP_DOWN ** steps
     elif not missed and per_replica >= 0.8 * capacity \
             and attainment >= 1 - (1 - config.attainment_target) / 2:
-        capacity *= CAPACITY_STEP_UP
+        capacity *= CAPACITY_STEP_UP ** steps
     low, high = (f * config.capacity_rps for f in CAPACITY_RANGE)
     return min(max(capacity, low), high), missed and per_replica >= 0.5 * capacity
 

@@ -11,25 +11,32 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client import start_http_server
 
 from sluice.api.service import InferenceService, load_manifest
 from sluice.api.worker_args import worker_arguments
 from sluice.argtypes import port
+from sluice.autoscale.policy import Config
+from sluice.local.autoscaler import LocalAutoscaler
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +62,17 @@ class Child:
         restart_at: when to restart it after a crash (monotonic seconds), or None.
         ready_workers: for the router, how many workers its ``/health`` must list as ready;
             None for a worker (its ``/health`` 200 is enough).
+        env: extra environment variables (e.g. a worker's ``OMP_NUM_THREADS``).
+        retired_at: when it was stopped on purpose (scaled down), or None: a retired child
+            is not restarted, and is forgotten once it exited.
     """
 
     name: str
     argv: list[str]
     url: str
     ready_workers: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    retired_at: float | None = None
     proc: subprocess.Popen | None = None
     started: float = 0.0
     crashes: int = 0
@@ -79,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override spec.replicas (number of worker processes)")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for every process to become healthy")
+    parser.add_argument("--metrics-port", type=port, default=None,
+                        help="with autoscaling: serve the autoscaler's Prometheus metrics on "
+                        "127.0.0.1:PORT")
     parser.add_argument("--grace-period", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping children")
 
@@ -88,21 +103,47 @@ def run(args: argparse.Namespace) -> int:
     (manifest, model source, busy port)."""
     try:
         service = load_manifest(args.file)
-        if args.replicas is not None and args.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-        replicas = service.spec.replicas if args.replicas is None else args.replicas
-        if replicas == 0:
-            raise ValueError("0 replicas: nothing would serve; pass --replicas N (N >= 1)")
+        replicas = initial_replicas(service, args.replicas)
         _check_port_free(args.host, args.port)  # before a fetch that may take minutes
         model_path = resolve_model(service)
         worker_args = worker_arguments(service, model_path)
-        children = build_children(worker_args, replicas, args.host, args.port, args.log_level,
-                                  service.spec.engine.name, router_arguments(service))
+        scaling = service.spec.autoscaling
+        policy = Config.from_spec(service.spec) if scaling.enabled else None
+        most = max(replicas, policy.max_replicas if policy else replicas)
+        env = {"OMP_NUM_THREADS": str(worker_threads(service, most))}
+        workers = [worker_child(service.spec.engine.name, worker_args, i, args.log_level, env)
+                   for i in range(replicas)]
+        router_args = router_arguments(service)
+        state_dir = Path(tempfile.mkdtemp(prefix="sluice-up-"))
+        workers_file = state_dir / "workers.json"
+        if policy is not None:
+            router_args += ["--discovery", "file", "--workers-file", str(workers_file),
+                            "--hold-timeout", str(scaling.hold_seconds)]
+        else:
+            router_args += [a for w in workers for a in ("--worker", w.url)]
+        router = router_child(args.host, args.port, args.log_level, router_args, replicas)
     except Exception as exc:  # bad manifest, model fetch failure, busy port: one line, exit 2
         logger.error("%s", exc)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe otherwise
-    supervisor = Supervisor(children, grace_period=args.grace_period)
+    supervisor = Supervisor([*workers, router], grace_period=args.grace_period)
+    on_tick = lambda: None  # noqa: E731
+    if policy is not None:
+        names = itertools.count(replicas)
+
+        def add_worker() -> Child:
+            child = worker_child(service.spec.engine.name, worker_args, next(names),
+                                 args.log_level, env)
+            supervisor.add(child)
+            return child
+
+        scaler = LocalAutoscaler(service.spec.model.name, policy, router.url, workers_file,
+                                 add_worker, supervisor.retire, workers,
+                                 drain_s=scaling.drain_seconds)
+        if args.metrics_port:
+            start_http_server(args.metrics_port, "127.0.0.1", registry=scaler.metrics.registry)
+        poll = httpx.Client(timeout=2.0, trust_env=False)
+        on_tick = lambda: scaler.tick(poll)  # noqa: E731
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -110,14 +151,49 @@ def run(args: argparse.Namespace) -> int:
         supervisor.start_all()
         if not supervisor.wait_healthy(args.startup_timeout, stop):
             return 0  # stopped by a signal while starting
-        print_ready(service, args.host, args.port, replicas)
-        supervisor.supervise(stop)
+        print_ready(service, args.host, args.port, replicas, policy)
+        supervisor.supervise(stop, on_tick=on_tick)
         return 0
     except StartupError as exc:
         logger.error("%s", exc)
         return 1
     finally:
         supervisor.stop_all()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def initial_replicas(service: InferenceService, override: int | None) -> int:
+    """Workers to start: ``--replicas`` or ``spec.replicas``; with autoscaling, clamped to
+    its bounds (0 only with ``scaleToZero``).
+
+    Raises:
+        ValueError: 0 replicas without scale-to-zero (nothing would serve), or a negative
+            override.
+    """
+    spec = service.spec
+    if override is not None and override < 0:
+        raise ValueError(f"--replicas must be >= 0, got {override}")
+    replicas = spec.replicas if override is None else override
+    if spec.autoscaling.enabled:
+        policy = Config.from_spec(spec)
+        replicas = min(max(replicas, policy.min_replicas), policy.max_replicas)
+    if replicas == 0 and not (spec.autoscaling.enabled and spec.autoscaling.scale_to_zero):
+        raise ValueError("0 replicas: nothing would serve; pass --replicas N (N >= 1), or "
+                         "enable autoscaling with scaleToZero")
+    return replicas
+
+
+def worker_threads(service: InferenceService, workers: int) -> int:
+    """Threads per worker (its OMP_NUM_THREADS): ``resources.cpu`` rounded down, else this
+    machine's cores shared by the most workers that may run. Warns when the workers' CPU
+    exceeds the cores (every team of threads then waits for preempted members)."""
+    cores = len(os.sched_getaffinity(0))
+    threads = service.spec.resources.cpu_threads() or max(1, cores // max(1, workers))
+    if threads * workers > cores:
+        logger.warning("%d worker(s) x %d thread(s) exceed this machine's %d cores: workers "
+                       "will slow each other down; lower resources.cpu or maxReplicas",
+                       workers, threads, cores)
+    return threads
 
 
 def resolve_model(service: InferenceService) -> str:
@@ -167,30 +243,27 @@ def router_arguments(service: InferenceService) -> list[str]:
     return argv
 
 
-def build_children(worker_args: list[str], replicas: int, host: str, port: int,
-                   log_level: str = "INFO", engine: str = "native",
-                   router_args: list[str] = ()) -> list[Child]:
-    """Workers on free local ports, and the router (last) pointing at all of them, started
-    with ``router_args`` (see ``router_arguments``).
+def worker_child(engine: str, worker_args: list[str], index: int, log_level: str = "INFO",
+                 env: dict[str, str] | None = None) -> Child:
+    """Worker ``index`` on a free local port.
 
     Raises:
         ValueError: from ``worker_python``.
     """
-    base = [sys.executable, "-m", "sluice.cli", "--log-level", log_level]
-    worker_base = [worker_python(engine), *base[1:]]
-    children = []
-    for i in range(replicas):
-        worker_port = free_port()
-        children.append(Child(f"worker-{i}", [*worker_base, "worker", *worker_args, "--host",
-                                              "127.0.0.1", "--port", str(worker_port)],
-                              f"http://127.0.0.1:{worker_port}"))
-    router_argv = [*base, "router", "--host", host, "--port", str(port), *router_args]
-    for worker in children:
-        router_argv += ["--worker", worker.url]
+    port = free_port()
+    argv = [worker_python(engine), "-m", "sluice.cli", "--log-level", log_level, "worker",
+            *worker_args, "--host", "127.0.0.1", "--port", str(port)]
+    return Child(f"worker-{index}", argv, f"http://127.0.0.1:{port}", env=dict(env or {}))
+
+
+def router_child(host: str, port: int, log_level: str, router_args: list[str],
+                 ready_workers: int) -> Child:
+    """The router, started with ``router_args`` (``router_arguments`` plus its workers or its
+    workers file); healthy once its ``/health`` lists ``ready_workers`` ready workers."""
+    argv = [sys.executable, "-m", "sluice.cli", "--log-level", log_level, "router", "--host",
+            host, "--port", str(port), *router_args]
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    children.append(Child("router", router_argv, f"http://{connect_host}:{port}",
-                          ready_workers=replicas))
-    return children
+    return Child("router", argv, f"http://{connect_host}:{port}", ready_workers=ready_workers)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -211,14 +284,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def print_ready(service: InferenceService, host: str, port: int, replicas: int) -> None:
+def print_ready(service: InferenceService, host: str, port: int, replicas: int,
+                policy: Config | None = None) -> None:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
     body = json.dumps({"model": service.spec.model.name,
                        "messages": [{"role": "user", "content": "Hello! Who are you?"}],
                        "max_tokens": 64})
+    scaling = f", autoscaling {policy.min_replicas}-{policy.max_replicas}" if policy else ""
     print(f"\nsluice: {service.metadata.name} ready at {url}/v1 "
-          f"(model {service.spec.model.name}, {replicas} worker(s)). Try:\n"
+          f"(model {service.spec.model.name}, {replicas} worker(s){scaling}). Try:\n"
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d {shlex.quote(body)}\n", flush=True)
 
@@ -239,8 +314,21 @@ class Supervisor:
         for child in self.children:
             self._start(child)
 
+    def add(self, child: Child) -> None:
+        """Start one more child (a worker added by the autoscaler)."""
+        self.children.insert(-1, child)  # the router stays last
+        self._start(child)
+
+    def retire(self, child: Child) -> None:
+        """SIGTERM a child on purpose (scale-down): it finishes its in-flight requests and
+        exits; it is not restarted, and ``supervise`` forgets it once it has exited."""
+        child.retired_at = time.monotonic()
+        if child.alive():
+            _signal_group(child.proc, signal.SIGTERM)
+        logger.info("stopping %s (scaled down)", child.name)
+
     def _start(self, child: Child) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
         child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         child.started = time.monotonic()
@@ -277,11 +365,27 @@ class Supervisor:
                     return False
         return True
 
-    def supervise(self, stop: threading.Event, period: float = 0.5) -> None:
-        """Until ``stop`` is set: log children that exit and restart them with backoff."""
+    def supervise(self, stop: threading.Event, period: float = 0.5,
+                  on_tick: Callable[[], None] = lambda: None) -> None:
+        """Until ``stop`` is set: log children that exit and restart them with backoff,
+        forget retired children that exited, and call ``on_tick`` (the autoscaler)."""
         while not stop.wait(period):
             now = time.monotonic()
-            for child in self.children:
+            try:
+                on_tick()
+            except Exception:  # a bug there must not stop supervision
+                logger.exception("autoscaler tick failed")
+            for child in list(self.children):
+                if child.retired_at is not None:
+                    overdue = now - child.retired_at > self.grace_period
+                    if not child.alive() or overdue:
+                        if overdue and child.alive():
+                            logger.warning("%s did not stop in %.0f s; killing it", child.name,
+                                           self.grace_period)
+                        _signal_group(child.proc, signal.SIGKILL)  # grandchildren too
+                        self.children.remove(child)
+                        logger.info("%s stopped", child.name)
+                    continue
                 if child.restart_at is not None:
                     if now >= child.restart_at:
                         logger.info("restarting %s", child.name)
