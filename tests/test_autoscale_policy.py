@@ -171,3 +171,16 @@ def test_deterministic():
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):
         Config(**kw)
+
+
+def test_misses_of_a_burst_that_is_over_add_no_replica():
+    """The decayed attainment still remembers 30 misses, but this window's verdicts are met:
+    no slo-miss scale-up (it flapped 1 → 2 → 1 → 2 in `sluice up` before)."""
+    state = State(replicas=1, capacity_rps=2.0, slo_met=0.0, slo_total=30.0,
+                  history=((0.0, 1),), last_time=0.0, level_rps=1.8)
+    obs = Observation(5.0, arrivals=9, ttft_met=2, ttft_total=2, ready=1)  # 1.8 req/s
+    decision = recommend(obs, state, CFG, 5.0)
+    assert decision.attainment < 0.1
+    assert (decision.replicas, decision.reason, decision.capacity_rps) == (1, "steady", 2.0)
+    missed_now = Observation(5.0, arrivals=9, ttft_met=0, ttft_total=2, ready=1)
+    assert recommend(missed_now, state, CFG, 5.0).reason == "slo-miss"

@@ -154,13 +154,14 @@ def test_busy_port_exits_2_before_starting_anything():
 class Up:
     """A running `sluice up` process, its output in a file."""
 
-    def __init__(self, args: list[str], log: Path, timeout: float = 240.0):
+    def __init__(self, args: list[str], log: Path, timeout: float = 240.0,
+                 example: Path = EXAMPLE):
         self.port = free_port()
         self.log = log
         self.url = f"http://127.0.0.1:{self.port}"
         self._out = open(log, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "up", "-f", str(EXAMPLE), "--port",
+            [sys.executable, "-m", "sluice.cli", "up", "-f", str(example), "--port",
              str(self.port), *args], stdout=self._out, stderr=subprocess.STDOUT,
             start_new_session=True)
         deadline = time.monotonic() + timeout

@@ -310,25 +310,31 @@ def _attainment(state: State, obs: Observation) -> tuple[float, float]:
 
 def _corrected_capacity(state: State, config: Config, obs: Observation, rate: float,
                         attainment: float | None, samples: float) -> tuple[float, bool]:
-    """The capacity estimate after this window, and whether the SLO is missed under load.
+    """The capacity estimate after this window, and whether the SLO is being missed under
+    load (a reason to add a replica now).
 
     Only load near the estimate teaches anything: a miss at low load is not a capacity
     problem (a long prompt, a cold cache), and meeting the SLO at low load says nothing
-    about the limit. Steps scale with the window (``CAPACITY_STEP_*`` per 10 s).
+    about the limit. A miss needs the recent (decayed) attainment and this window's own
+    verdicts below target, so a burst that is over does not keep adding replicas. Steps
+    scale with the window (``CAPACITY_STEP_*`` per 10 s).
     """
     capacity = state.capacity_rps
     per_replica = rate / max(1, obs.ready)
+    now_fraction, _ = obs.attainment()
     if attainment is None or samples < config.min_samples:
         return capacity, False
-    missed = attainment < config.attainment_target
+    missed = attainment < config.attainment_target and now_fraction is not None \
+        and now_fraction < config.attainment_target
     steps = obs.window_s / CAPACITY_STEP_PERIOD_S
     if missed and per_replica >= 0.5 * capacity:
         capacity *= CAPACITY_STEP_DOWN ** steps
-    elif not missed and per_replica >= 0.8 * capacity \
-            and attainment >= 1 - (1 - config.attainment_target) / 2:
+    elif attainment >= 1 - (1 - config.attainment_target) / 2 \
+            and per_replica >= 0.8 * capacity:
         capacity *= CAPACITY_STEP_UP ** steps
     low, high = (f * config.capacity_rps for f in CAPACITY_RANGE)
-    return min(max(capacity, low), high), missed and per_replica >= 0.5 * capacity
+    capacity = min(max(capacity, low), high)
+    return capacity, missed and per_replica >= 0.8 * capacity
 
 
 def _trim(history: tuple[tuple[float, int], ...], now: float,
