@@ -34,11 +34,14 @@ OPERATOR_RULES = [
      "verbs": ["get", "patch"]},
     {"apiGroups": ["serving.sluice.dev"], "resources": ["inferenceservices/finalizers"],
      "verbs": ["update"]},
+    {"apiGroups": ["serving.sluice.dev"], "resources": ["inferenceservices/scale"],
+     "verbs": ["patch"]},
     {"apiGroups": ["apps"], "resources": ["deployments"],
      "verbs": ["get", "list", "watch", "create", "patch"]},
+    {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": ["create", "patch"]},
     {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "create", "patch"]},
     {"apiGroups": [""], "resources": ["endpoints"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
 ]
@@ -132,9 +135,9 @@ def test_lint_is_clean(helm, variant):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_rendered_object_validates_offline(helm, variant):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    objects = render(helm, "--include-crds", *VARIANTS[variant])
-    assert objects
-    for version in KUBE_VERSIONS:
+    for version in KUBE_VERSIONS:  # rendered for that version (the PDBs' apiVersion)
+        objects = render(helm, "--include-crds", "--kube-version", version, *VARIANTS[variant])
+        assert objects
         for obj in objects:
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
@@ -158,6 +161,7 @@ def test_default_objects(helm):
         ("Deployment", "rel-sluice-operator", NAMESPACE),
         ("Deployment", "rel-sluice-router", NAMESPACE),
         ("Service", "rel-sluice-router", NAMESPACE),
+        ("PodDisruptionBudget", "rel-sluice-router", NAMESPACE),
     ])  # nothing cluster-scoped unless asked
 
 
@@ -288,7 +292,43 @@ def test_operator_runs_alone_with_probes(helm):
     assert c["image"] == "sluice:0.1.0"
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
+
+
+def test_operator_autoscaler_flags_find_the_charts_routers(helm):
+    from sluice.operator.main import options_from
+
+    objects = render(helm, "--set", "bindAddress=$(POD_IP)")
+    args = parse_cli("sluice.operator.main", "operator",
+                     container(one(objects, "Deployment", "rel-sluice-operator"))["args"])
+    options = options_from(args)
+    router = one(objects, "Deployment", "rel-sluice-router")
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    wanted = dict(part.split("=") for part in options.router_selector.split(","))
+    assert wanted.items() <= labels.items() and "app.kubernetes.io/instance" not in wanted
+    assert options.router_namespace is None  # each InferenceService's namespace
+    assert (options.metrics_port, options.metrics_host) == (9090, "$(POD_IP)")
+    assert options.autoscale_interval == 5
+    off = render(helm, "--set", "operator.metrics.enabled=false,operator.autoscaleInterval=2")
+    c = container(one(off, "Deployment", "rel-sluice-operator"))
+    assert [p["name"] for p in c["ports"]] == ["health"]
+    assert options_from(parse_cli("sluice.operator.main", "operator", c["args"])).metrics_port \
+        == 0
+
+
+@pytest.mark.parametrize(("version", "api"), [("1.20.2", "policy/v1beta1"),
+                                              ("1.33.1", "policy/v1")])
+def test_router_has_two_replicas_and_a_disruption_budget(helm, version, api):
+    objects = render(helm, "--kube-version", version)
+    router = one(objects, "Deployment", "rel-sluice-router")
+    assert router["spec"]["replicas"] == 2
+    pdb = one(objects, "PodDisruptionBudget", "rel-sluice-router")
+    assert pdb["apiVersion"] == api
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == router["spec"]["selector"]
+    assert find(render(helm, "--set", "router.podDisruptionBudget.enabled=false"),
+                "PodDisruptionBudget") == []
 
 
 @pytest.mark.parametrize(("values", "message"), [
@@ -371,8 +411,8 @@ def test_router_disabled_renders_no_router_objects(helm):
 def test_operator_disabled_renders_only_the_router(helm):
     objects = render(helm, "--set", "operator.enabled=false")
     assert {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects} == {"router"}
-    assert sorted(o["kind"] for o in objects) == ["Deployment", "Role", "RoleBinding",
-                                                   "Service", "ServiceAccount"]
+    assert sorted(o["kind"] for o in objects) == ["Deployment", "PodDisruptionBudget", "Role",
+                                                   "RoleBinding", "Service", "ServiceAccount"]
 
 
 # ------------------------------------------------------------------ safety

@@ -87,8 +87,10 @@ def test_subresources_status_and_scale():
 def test_printer_columns():
     columns = {c["name"]: c for c in crd.build_crd()["spec"]["versions"][0]
                ["additionalPrinterColumns"]}
-    assert list(columns) == ["Model", "Engine", "Replicas", "Ready-Replicas", "TTFT-SLO-ms",
-                             "Ready", "Age"]
+    assert list(columns) == ["Model", "Engine", "Replicas", "Desired", "Ready-Replicas",
+                             "TTFT-SLO-ms", "Ready", "Age"]
+    assert columns["Desired"] == {"name": "Desired", "type": "integer",
+                                  "jsonPath": ".status.desiredReplicas"}
     assert columns["Model"]["jsonPath"] == ".spec.model.name"
     assert columns["Ready-Replicas"]["jsonPath"] == ".status.readyReplicas"
     assert columns["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
@@ -151,7 +153,10 @@ def test_optional_fields_are_nullable_not_unions():
 def test_status_schema():
     status = SCHEMA["properties"]["status"]["properties"]
     assert set(status) == {"observedGeneration", "replicas", "readyReplicas", "selector",
-                           "endpoint", "conditions"}
+                           "endpoint", "conditions", "desiredReplicas", "lastScaleTime",
+                           "lastScaleReason", "sloAttainment"}
+    assert status["lastScaleTime"]["format"] == "date-time"
+    assert status["sloAttainment"]["minimum"] == 0 and status["sloAttainment"]["maximum"] == 1
     conditions = status["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map"
     assert conditions["x-kubernetes-list-map-keys"] == ["type"]

@@ -25,7 +25,10 @@ NOW = "2026-11-29T10:00:00Z"
 
 
 class FakeKube:
-    """An in-memory API: InferenceServices, Deployments, Endpoints, Pods; records calls."""
+    """An in-memory API: InferenceServices, Deployments, Endpoints, Pods; records calls.
+
+    Pods without a namespace in their metadata are the worker pods of team-a/smol (the
+    label selector still applies to those that carry labels)."""
 
     def __init__(self, *bodies: dict):
         self.isvcs = {(b["metadata"]["namespace"], b["metadata"]["name"]): copy.deepcopy(b)
@@ -36,6 +39,9 @@ class FakeKube:
         self.applied: list[dict] = []
         self.status_writes = 0
         self.scaled: list[tuple[str, int]] = []
+        self.isvc_scaled: list[tuple[str, int]] = []
+        self.events: list[dict] = []
+        self.pod_patches: list[tuple[str, dict]] = []
         self.refuse: ApiError | None = None
 
     async def apply(self, obj):
@@ -46,6 +52,28 @@ class FakeKube:
         if obj["kind"] == "Deployment":
             self.deployments[key] = {**copy.deepcopy(obj), **deployment_status(
                 replicas=obj["spec"]["replicas"], ready=0)}
+
+    async def scale_isvc(self, namespace, name, replicas):
+        body = self.isvcs.get((namespace, name))
+        if body is None:
+            return False
+        self.isvc_scaled.append((name, replicas))
+        body["spec"]["replicas"] = replicas
+        return True
+
+    async def patch_pod_annotations(self, namespace, name, annotations):
+        self.pod_patches.append((name, dict(annotations)))
+        for pod in self.pods:
+            if pod["metadata"]["name"] == name:
+                kept = pod["metadata"].setdefault("annotations", {})
+                for key, value in annotations.items():
+                    if value is None:
+                        kept.pop(key, None)
+                    else:
+                        kept[key] = value
+
+    async def create_event(self, namespace, event):
+        self.events.append(copy.deepcopy(event))
 
     async def scale_deployment(self, namespace, name, replicas):
         if (namespace, name) not in self.deployments:
@@ -65,15 +93,26 @@ class FakeKube:
         return copy.deepcopy(self.deployments.get((namespace, name)))
 
     async def list_pods(self, namespace, selector):
-        assert selector == "app.kubernetes.io/instance=smol,app.kubernetes.io/name=sluice-worker"
-        return copy.deepcopy(self.pods)
+        wanted = dict(part.split("=", 1) for part in selector.split(","))
+        if wanted.get("app.kubernetes.io/name") == "sluice-worker":
+            assert wanted.get("app.kubernetes.io/instance") == "smol", selector
+        return [copy.deepcopy(p) for p in self.pods
+                if p["metadata"].get("namespace", namespace) == namespace
+                and all(p["metadata"].get("labels", wanted).get(k) == v
+                        for k, v in wanted.items())]
 
     async def get_endpoints(self, namespace, name):
         return copy.deepcopy(self.endpoints.get((namespace, name)))
 
     async def patch_isvc_status(self, namespace, name, status):
+        """A JSON merge patch of the status (None removes a field)."""
         self.status_writes += 1
-        self.isvcs[(namespace, name)]["status"] = copy.deepcopy(status)
+        merged = self.isvcs[(namespace, name)].setdefault("status", {})
+        for key, value in copy.deepcopy(status).items():
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = value
 
     def status(self, name="smol", namespace="team-a") -> dict:
         return self.isvcs[(namespace, name)].get("status") or {}
@@ -96,7 +135,8 @@ def test_reconcile_applies_service_then_deployment_and_writes_status():
     kube = FakeKube(body)
     run(controller(kube).reconcile(body))
     assert [(o["kind"], o["metadata"]["name"]) for o in kube.applied] == \
-        [("Service", "smol-worker"), ("Deployment", "smol-worker")]
+        [("Service", "smol-worker"), ("PodDisruptionBudget", "smol-worker"),
+         ("Deployment", "smol-worker")]
     status = kube.status()
     assert status["replicas"] == 2 and status["readyReplicas"] == 0
     assert status["observedGeneration"] == 3
@@ -110,7 +150,7 @@ def test_reconcile_twice_is_idempotent_and_status_is_written_once():
     ctl = controller(kube)
     run(ctl.reconcile(body))
     run(ctl.reconcile(body))
-    assert kube.applied[:2] == kube.applied[2:]  # the same objects, applied again (SSA no-op)
+    assert kube.applied[:3] == kube.applied[3:]  # the same objects, applied again (SSA no-op)
     assert kube.status_writes == 1  # nothing changed the second time
 
 
@@ -203,10 +243,10 @@ def test_a_deleted_child_is_recreated_unless_the_owner_is_going():
     kube = FakeKube(body)
     ctl = controller(kube)
     run(ctl.child_deleted("team-a", "smol"))
-    assert [o["kind"] for o in kube.applied] == ["Service", "Deployment"]
+    assert [o["kind"] for o in kube.applied] == ["Service", "PodDisruptionBudget", "Deployment"]
     kube.isvcs[("team-a", "smol")]["metadata"]["deletionTimestamp"] = NOW
     run(ctl.child_deleted("team-a", "smol"))
-    assert len(kube.applied) == 2
+    assert len(kube.applied) == 3
     run(ctl.child_deleted("team-a", "gone"))  # owner already deleted: nothing to do
 
 
@@ -287,3 +327,23 @@ def test_options_from_env():
     assert options.config.worker_image == "w:1"
     assert options.config.model_cache == ModelCache("image")
     assert options.namespaces == ("a", "b") and options.probe is False
+
+
+def test_autoscaler_flags(monkeypatch):
+    monkeypatch.delenv("SLUICE_NAMESPACES", raising=False)
+    options = operator_main.options_from(parse("-n", "a"))
+    assert options.autoscale_interval == 5.0 and options.metrics_port == 0
+    assert options.router_selector == \
+        "app.kubernetes.io/name=sluice,app.kubernetes.io/component=router"
+    assert options.router_namespace is None
+    options = operator_main.options_from(parse(
+        "-n", "a", "--autoscale-interval", "2", "--metrics-port", "9090", "--metrics-host",
+        "10.0.0.1", "--router-selector", "app=r", "--router-namespace", "routers"))
+    assert (options.autoscale_interval, options.metrics_port, options.metrics_host,
+            options.router_selector, options.router_namespace) == \
+        (2.0, 9090, "10.0.0.1", "app=r", "routers")
+    for bad in (("--autoscale-interval", "0"), ("--metrics-port", "70000")):
+        with pytest.raises(SystemExit):
+            parse(*bad)
+    env = OperatorOptions.from_env({"SLUICE_AUTOSCALE_INTERVAL": "3", "SLUICE_METRICS_PORT": "9"})
+    assert env.autoscale_interval == 3.0 and env.metrics_port == 9

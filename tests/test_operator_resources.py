@@ -23,8 +23,9 @@ def isvc(name: str = "smol", namespace: str = "team-a", **spec) -> dict:
 
 
 def deployment_of(body: dict, config: OperatorConfig | None = None) -> dict:
-    service, deployment = r.desired_objects(body, config or OperatorConfig())
+    service, pdb, deployment = r.desired_objects(body, config or OperatorConfig())
     assert service["kind"] == "Service" and deployment["kind"] == "Deployment"
+    assert pdb["kind"] == "PodDisruptionBudget"
     return deployment
 
 
@@ -41,14 +42,14 @@ def worker_args(body: dict, config: OperatorConfig | None = None) -> list[str]:
 # ------------------------------------------------------------------ names, labels, owners
 
 def test_children_names_labels_and_owner():
-    service, deployment = r.desired_objects(isvc(), OperatorConfig())
+    service, pdb, deployment = r.desired_objects(isvc(), OperatorConfig())
     labels = {"app.kubernetes.io/name": "sluice-worker", "app.kubernetes.io/instance": "smol",
               "app.kubernetes.io/component": "worker",
               "app.kubernetes.io/managed-by": "sluice-operator",
               "app.kubernetes.io/part-of": "sluice"}
     owner = {"apiVersion": "serving.sluice.dev/v1alpha1", "kind": "InferenceService",
              "name": "smol", "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}
-    for obj in (service, deployment):
+    for obj in (service, pdb, deployment):
         assert obj["metadata"] == {"name": "smol-worker", "namespace": "team-a",
                                    "labels": labels, "ownerReferences": [owner]}
     selector = {"app.kubernetes.io/name": "sluice-worker", "app.kubernetes.io/instance": "smol"}
@@ -167,9 +168,30 @@ def test_probes_lifecycle_and_grace():
     assert container["livenessProbe"]["initialDelaySeconds"] >= 30
     assert container["livenessProbe"]["failureThreshold"] * \
         container["livenessProbe"]["periodSeconds"] >= 60
-    assert container["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
-    assert pod["terminationGracePeriodSeconds"] == 60
+    # preStop: leave readiness, finish in-flight requests (at most drainSeconds, 120 by
+    # default), then SIGTERM; the grace covers that drain and the shutdown after it.
+    assert container["lifecycle"] == {"preStop": {"httpGet": {
+        "path": "drain?wait=120&min=5", "port": 8000}}}
+    assert pod["terminationGracePeriodSeconds"] == 150
     assert container["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+
+
+@pytest.mark.parametrize(("drain", "wait", "grace"), [(10, 10, 60), (60, 60, 90),
+                                                      (299.5, 300, 330)])
+def test_the_grace_covers_the_drain(drain, wait, grace):
+    pod = deployment_of(isvc(autoscaling={"drainSeconds": drain}))["spec"]["template"]["spec"]
+    hook = pod["containers"][0]["lifecycle"]["preStop"]["httpGet"]
+    assert hook["path"] == f"drain?wait={wait}&min=5"
+    assert not hook["path"].startswith("/")  # kubelets < 1.23 prepend the slash
+    assert pod["terminationGracePeriodSeconds"] == grace  # max(60, drain + 30)
+
+
+@pytest.mark.parametrize(("version"), ["policy/v1", "policy/v1beta1"])
+def test_worker_pod_disruption_budget(version):
+    _, pdb, _ = r.desired_objects(isvc(replicas=3), OperatorConfig(pdb_api_version=version))
+    assert pdb["apiVersion"] == version
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {
+        "app.kubernetes.io/name": "sluice-worker", "app.kubernetes.io/instance": "smol"}}}
 
 
 def test_security_context():
@@ -254,6 +276,10 @@ def test_spec_hash_changes_with_the_pods_not_with_replicas():
     (isvc(name="a" * 57), "must be a DNS-1035 label"),
     (isvc(name="7b"), "'7b-worker' must be a DNS-1035 label"),
     (isvc(autoscaling={"scaleToZero": True}), "autoscaling.scaleToZero needs minReplicas: 0"),
+    (isvc(minReplicas=0, maxReplicas=2, autoscaling={"enabled": True}),
+     "spec.minReplicas: 0 needs spec.autoscaling.scaleToZero: true"),
+    (isvc(replicas=2, autoscaling={"enabled": True}),
+     "spec.maxReplicas: required with spec.autoscaling.enabled"),
     (isvc(resources={"cpu": "lots"}), "spec.resources.cpu"),
 ])
 def test_invalid_specs_the_schema_cannot_catch(body, words):
@@ -478,3 +504,53 @@ def test_ready_addresses():
     assert ready_addresses(None) == [] and ready_addresses({}) == []
     unnamed = {"subsets": [{"addresses": [{"ip": "fd00::1"}], "ports": [{"port": 8000}]}]}
     assert ready_addresses(unnamed) == ["[fd00::1]:8000"]
+
+
+# ------------------------------------------------------------------ autoscaling status
+
+def test_autoscaling_condition_names_the_objective():
+    body = isvc(replicas=1, maxReplicas=2, autoscaling={"enabled": True},
+                slo={"ttftMs": 500, "itlMs": 100, "percentile": 99})
+    status = compute_status(body, deployment_status(replicas=1, ready=1), [], ENDPOINTS, None,
+                            NOW)
+    state, reason, message = conditions(status)["Autoscaling"]
+    assert (state, reason) == ("True", "Enabled")
+    assert "within [1, 2]" in message and "TTFT <= 500 ms and ITL <= 100 ms at p99" in message
+    assert status.desired_replicas == 1
+
+
+def test_autoscaling_without_an_slo_documents_the_routers_default_objective():
+    from sluice.router.dispatch import DispatchSettings
+
+    from sluice.operator.status import ROUTER_DEFAULT_TTFT_MS
+
+    assert ROUTER_DEFAULT_TTFT_MS == DispatchSettings().slo_ttft_ms  # the same default
+    body = isvc(maxReplicas=2, autoscaling={"enabled": True})
+    _, _, message = conditions(compute_status(body, None, [], None, None, NOW))["Autoscaling"]
+    assert "TTFT <= 2000 ms at p95: spec.slo sets no objective, so the router's default " \
+           "applies (its --slo-ttft-ms" in message
+
+
+def test_no_autoscaling_condition_when_disabled_and_desired_is_the_spec():
+    body = isvc(replicas=3)
+    body["status"] = {"desiredReplicas": 1, "sloAttainment": 0.9, "lastScaleReason": "idle",
+                      "lastScaleTime": NOW}
+    status = compute_status(body, deployment_status(replicas=3), [], None, None, LATER)
+    assert "Autoscaling" not in conditions(status)
+    assert status.desired_replicas == 3 and status.slo_attainment is None
+    assert status.last_scale_reason == "idle"  # history stays
+
+
+def test_refresh_keeps_the_autoscalers_fields():
+    body = isvc(replicas=2, maxReplicas=3, autoscaling={"enabled": True})
+    body["status"] = {"desiredReplicas": 3, "sloAttainment": 0.93, "lastScaleTime": NOW,
+                      "lastScaleReason": "burst (demand 3.10 req/s ...)"}
+    status = compute_status(body, deployment_status(replicas=2), [], None, None, LATER)
+    assert (status.desired_replicas, status.slo_attainment, status.last_scale_time,
+            status.last_scale_reason) == (3, 0.93, NOW, "burst (demand 3.10 req/s ...)")
+
+
+def test_an_invalid_autoscaled_spec_says_so_in_the_autoscaling_condition():
+    body = isvc(minReplicas=0, maxReplicas=2, autoscaling={"enabled": True})
+    status = compute_status(body, None, [], None, None, NOW, invalid="spec.minReplicas: 0 ...")
+    assert conditions(status)["Autoscaling"][:2] == ("False", "InvalidSpec")

@@ -39,8 +39,9 @@ What it emulates, and how:
   container. Exits restart per restartPolicy with backoff 1, 2, 4 ... 60 s, shown as
   waiting reason CrashLoopBackOff; restartCount counts restarts.
 - Deletion (deletionTimestamp set): the pod turns not-ready, preStop runs (exec, where
-  `sleep N` is a sleep, or httpGet), SIGTERM goes to each process group, SIGKILL when the
-  grace period (deletionGracePeriodSeconds) ends, then the pod is deleted with grace 0.
+  `sleep N` is a sleep, or httpGet at `http://IP:PORT/` + path, as kubelet 1.20 builds a
+  hook's URL), SIGTERM goes to each process group, SIGKILL when the grace period
+  (deletionGracePeriodSeconds) ends, then the pod is deleted with grace 0.
 - Not emulated: exec/attach/port-forward, resource limits, securityContext, DNS, ClusterIP
   routing (no kube-proxy: use Endpoints), hostPort, image pulls.
 """
@@ -361,8 +362,10 @@ class PodWorker(threading.Thread):
         readiness = c.probes.get("readiness")
         c.ready = (not startup or startup.ok is True) and (not readiness or readiness.ok is True)
 
-    def check(self, c: Container, spec: dict) -> bool:
-        """Run one probe: HTTP 200-399, a TCP connect, or exit status 0, within timeoutSeconds."""
+    def check(self, c: Container, spec: dict, hook: bool = False) -> bool:
+        """Run one probe: HTTP 200-399, a TCP connect, or exit status 0, within timeoutSeconds.
+        hook: a lifecycle hook's httpGet, whose URL kubelet 1.20 builds as
+        `http://HOST:PORT/` + path (so a path with a leading slash gets two)."""
         timeout = spec.get("timeoutSeconds", 1)
         named = {x.get("name"): x["containerPort"] for x in c.spec.get("ports", [])}
         port_of = lambda p: named[p] if p in named else int(p)  # noqa: E731
@@ -370,7 +373,7 @@ class PodWorker(threading.Thread):
             if "httpGet" in spec:
                 h = spec["httpGet"]
                 url = (f"{h.get('scheme', 'HTTP').lower()}://{h.get('host') or self.ip}:"
-                       f"{port_of(h['port'])}{h.get('path', '/')}")
+                       f"{port_of(h['port'])}{'/' if hook else ''}{h.get('path', '/')}")
                 req = urllib.request.Request(url, headers={x["name"]: x["value"]
                                                            for x in h.get("httpHeaders", [])})
                 with NO_PROXY.open(req, timeout=timeout) as resp:
@@ -426,7 +429,7 @@ class PodWorker(threading.Thread):
             else:
                 self.check(c, {"exec": hook["exec"], "timeoutSeconds": left()})
         elif hook and "httpGet" in hook:
-            self.check(c, {"httpGet": hook["httpGet"], "timeoutSeconds": left()})
+            self.check(c, {"httpGet": hook["httpGet"], "timeoutSeconds": left()}, hook=True)
         if not c.proc:
             return
         kill_group(c.proc.pid, signal.SIGTERM)

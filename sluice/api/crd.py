@@ -49,6 +49,7 @@ PRINTER_COLUMNS = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
     {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.name"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
     {"name": "Ready-Replicas", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "TTFT-SLO-ms", "type": "number", "jsonPath": ".spec.slo.ttftMs"},
     {"name": "Ready", "type": "string",

@@ -304,9 +304,10 @@ class InferenceServiceStatus(_Status):
                                           "(`burst`, `forecast`, `slo-miss`, `consolidate`, "
                                           "`idle`, `wake`, `bounds`, `override`, ...).")
     slo_attainment: float | None = Field(None, ge=0, le=1, description="Fraction of the "
-                                         "requests of the last minute that met the SLO (TTFT "
-                                         "and ITL), as the routers measured them; unset "
-                                         "without samples or with autoscaling off.")
+                                         "requests of the last minute that met the SLO (the "
+                                         "worse of TTFT and ITL), as the routers measured "
+                                         "them; kept through a minute without requests; "
+                                         "unset with autoscaling off.")
 
     def condition(self, type_: str) -> Condition | None:
         """The condition of this type, or None."""

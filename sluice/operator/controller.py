@@ -8,6 +8,11 @@ The kopf handlers (handlers.py) only decide *when*; this decides *what*:
     scale(body)      replicas-only change: patch the Deployment's spec.replicas → refresh.
     refresh(ns, n)   read Deployment, Pods, Endpoints; probe one ready address's /health;
                      compute the status (status.compute_status); write it if it changed.
+    record(ns, n, f) write the autoscaler's status fields (under the same lock as refresh).
+
+Neither reconcile nor scale ever lowers the Deployment's replicas itself: a lower count goes
+to the Drainer (drain.py), which removes the chosen replicas once they are drained; a higher
+or equal count cancels a drain in progress.
 
 Refreshes of one InferenceService are serialized (a lock per object), so an older view never
 overwrites a newer one written by a concurrent event.
@@ -25,6 +30,7 @@ import httpx
 
 from sluice.api.service import InferenceServiceStatus
 from sluice.operator import resources
+from sluice.operator.drain import Drainer
 from sluice.operator.kube import ApiError, KubeApi
 from sluice.operator.resources import InvalidSpec, OperatorConfig
 from sluice.operator.status import Probe, compute_status, ready_addresses, same_status, \
@@ -43,12 +49,19 @@ class Controller:
         config: what the operator's flags decide about worker pods.
         probe: GET one ready address's /health before reporting Ready.
         probe_timeout: seconds for that GET.
+        drainer: removes replicas after draining them (None: one with default routers).
     """
 
     def __init__(self, kube: KubeApi, config: OperatorConfig, probe: bool = True,
-                 probe_timeout: float = 2.0, clock: Any = utc_now):
+                 probe_timeout: float = 2.0, clock: Any = utc_now,
+                 drainer: Drainer | None = None):
         self.kube, self.config, self.probe_enabled = kube, config, probe
         self._clock = clock
+        if drainer is None:
+            from sluice.operator.routers import Routers
+
+            drainer = Drainer(kube, Routers(kube), wall=clock)
+        self.drainer = drainer
         # Straight to the pod: no proxy from the environment.
         self._http = httpx.AsyncClient(timeout=probe_timeout, trust_env=False) if probe else None
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
@@ -59,6 +72,7 @@ class Controller:
         self._observed: dict[tuple[str, str], int | None] = {}
 
     async def close(self) -> None:
+        await self.drainer.close()
         if self._http is not None:
             await self._http.aclose()
 
@@ -72,6 +86,7 @@ class Controller:
         key = _key(body)
         try:
             objects = resources.desired_objects(body, self.config)
+            await self._keep_replicas_until_drained(body, objects[-1])
             for obj in objects:
                 await self._apply(obj)
         except InvalidSpec as exc:
@@ -94,17 +109,46 @@ class Controller:
         logger.debug("applied %s %s/%s", obj["kind"], obj["metadata"]["namespace"],
                      obj["metadata"]["name"])
 
+    async def _keep_replicas_until_drained(self, body: Mapping[str, Any],
+                                           deployment: dict[str, Any]) -> None:
+        """Apply keeps the Deployment's current replicas while fewer are wanted (the
+        drainer lowers them); otherwise any drain is called off."""
+        namespace, name = _key(body)
+        current = await self.kube.get_deployment(namespace, resources.worker_name(name))
+        have = int(((current or {}).get("spec") or {}).get("replicas") or 0)
+        wanted = int(deployment["spec"]["replicas"])
+        if current is not None and wanted < have:
+            deployment["spec"]["replicas"] = have
+            self.drainer.scale_down(body, wanted)
+        else:
+            await self.drainer.cancel(namespace, name)
+
     async def scale(self, body: Mapping[str, Any]) -> bool:
-        """Patch only the Deployment's replicas; False when there is no Deployment yet (the
-        caller reconciles instead)."""
+        """Replicas-only change: a higher count patches the Deployment's replicas, a lower
+        one goes to the drainer. False when there is no Deployment yet (the caller
+        reconciles instead)."""
         namespace, name = _key(body)
         replicas = int((body.get("spec") or {}).get("replicas", 1))
-        if not await self.kube.scale_deployment(namespace, resources.worker_name(name),
-                                                replicas):
+        deployment = await self.kube.get_deployment(namespace, resources.worker_name(name))
+        if deployment is None:
             return False
+        if replicas < int((deployment.get("spec") or {}).get("replicas") or 0):
+            self.drainer.scale_down(body, replicas)
+        else:
+            await self.drainer.cancel(namespace, name)
+            if not await self.kube.scale_deployment(namespace, resources.worker_name(name),
+                                                    replicas):
+                return False
         self._observed[(namespace, name)] = _generation(body)
         await self.refresh(namespace, name)
         return True
+
+    async def record(self, namespace: str, name: str, fields: dict[str, Any]) -> None:
+        """Write the autoscaler's status fields (camelCase JSON), serialized with refresh so
+        neither overwrites the other with an older view."""
+        lock = self._locks.setdefault((namespace, name), asyncio.Lock())
+        async with lock:
+            await self.kube.patch_isvc_status(namespace, name, fields)
 
     async def child_deleted(self, namespace: str, name: str) -> None:
         """A worker Deployment or Service vanished: put it back unless its owner is going."""
@@ -120,6 +164,7 @@ class Controller:
         """The InferenceService is gone: drop what we kept about it."""
         for kept in (self._locks, self._refused, self._observed):
             kept.pop((namespace, name), None)
+        self.drainer.forget(namespace, name)
 
     async def refresh(self, namespace: str, name: str) -> InferenceServiceStatus | None:
         """Recompute and write the status; returns it (None: the object is gone)."""

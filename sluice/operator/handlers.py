@@ -6,6 +6,10 @@
                       (a deleted Deployment or Service is put back)
     every --resync-seconds                      → Controller.resync (catches what no event
                                                   announces, e.g. /health stops answering)
+    every --autoscale-interval                  → Autoscaler.tick (autoscaler.py): routers'
+                                                  demand → policy → spec.replicas through
+                                                  the scale subresource; a lower count is
+                                                  removed by the Drainer (drain.py)
 
 No deletion handler, daemon or timer, so kopf never puts a finalizer on anything: deleting
 an InferenceService is instant even with the operator down, and the garbage collector
@@ -18,36 +22,51 @@ RBAC the operator needs (namespaced Role per watched namespace, or a ClusterRole
     apiGroups: [serving.sluice.dev]
       resources: [inferenceservices]             verbs: [get, list, watch, patch]
       resources: [inferenceservices/status]      verbs: [get, patch]
+      resources: [inferenceservices/scale]       verbs: [patch]     # the autoscaler's
+                                                  # spec.replicas (only with autoscaling on)
       resources: [inferenceservices/finalizers]  verbs: [update]   # ownerReferences with
                                                   # blockOwnerDeletion, where the
                                                   # OwnerReferencesPermissionEnforcement
                                                   # admission plugin is on
     apiGroups: [apps]
       resources: [deployments]                   verbs: [get, list, watch, create, patch]
+    apiGroups: [policy]
+      resources: [poddisruptionbudgets]          verbs: [create, patch]  # the workers'
+                                                  # (server-side apply; v1, or v1beta1 on 1.20)
     apiGroups: [""]
       resources: [services]                      verbs: [get, create, patch]
       resources: [endpoints]                     verbs: [get, list, watch]
-      resources: [pods]                          verbs: [list, watch]
-      resources: [events]                        verbs: [create]    # kopf posts warnings
+      resources: [pods]                          verbs: [list, watch, patch]  # patch: the
+                                                  # draining and pod-deletion-cost
+                                                  # annotations of a worker being removed;
+                                                  # list also finds router pods
+      resources: [events]                        verbs: [create]    # kopf's warnings, and
+                                                  # ScaledUp/ScaledDown/Draining/NoRouter
     apiGroups: [events.k8s.io]
       resources: [events]                        verbs: [create]    # newer kopf/clusters
 
 Not needed: namespaces and customresourcedefinitions (scanning is off: namespaces are the
-exact names given), kopf's peering resources (standalone), deletes (garbage collection).
+exact names given), kopf's peering resources (standalone), deletes (garbage collection;
+the ReplicaSet removes a drained pod), pods/eviction. The operator also talks HTTP to pods
+(no RBAC): a worker's /health and /drain, a router's /autoscale/demand and /health.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
 import kopf
 
 from sluice.operator import resources
+from sluice.operator.autoscaler import Autoscaler
 from sluice.operator.controller import Controller
+from sluice.operator.drain import Drainer
 from sluice.operator.kube import ApiError, Kube
 from sluice.operator.resources import GROUP, PLURAL, InvalidSpec
+from sluice.operator.routers import Routers
 from sluice.operator.settings import OperatorOptions, configure
 
 VERSION = "v1alpha1"
@@ -63,21 +82,33 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     configure(settings, options)
     _quiet_logs()
     memo.options = options
-    memo.kube = await Kube.connect(options.request_timeout)
-    memo.controller = Controller(memo.kube, options.config, probe=options.probe)
-    memo.resync_task = asyncio.create_task(_resync_forever(memo.controller, options))
-    logger.info("worker image %s, model cache %s, namespaces %s", options.config.worker_image,
-                options.config.model_cache, options.namespaces or "all")
+    memo.kube = kube = await Kube.connect(options.request_timeout)
+    config = dataclasses.replace(options.config, pdb_api_version=await _pdb_version(kube))
+    routers = Routers(kube, options.router_selector, options.router_namespace)
+    memo.controller = Controller(kube, config, probe=options.probe,
+                                 drainer=Drainer(kube, routers))
+    memo.autoscaler = Autoscaler(kube, memo.controller, routers)
+    memo.routers = routers
+    memo.metrics_server = _serve_metrics(memo.autoscaler, options, logger)
+    memo.tasks = [asyncio.create_task(_resync_forever(memo.controller, options)),
+                  asyncio.create_task(_autoscale_forever(memo.autoscaler, options))]
+    logger.info("worker image %s, model cache %s, namespaces %s, workers' PDB %s",
+                config.worker_image, config.model_cache, options.namespaces or "all",
+                config.pdb_api_version)
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    task = memo.get("resync_task")
-    if task is not None:
+    tasks = memo.get("tasks") or []
+    for task in tasks:
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if memo.get("metrics_server") is not None:
+        memo.metrics_server.shutdown()
     if memo.get("controller") is not None:
         await memo.controller.close()
+    if memo.get("routers") is not None:
+        await memo.routers.close()
     if memo.get("kube") is not None:
         await memo.kube.close()
 
@@ -151,6 +182,42 @@ def _quiet_logs() -> None:
     kopf_objects = logging.getLogger("kopf.objects")
     if not any(isinstance(f, _DropRoutineSuccesses) for f in kopf_objects.filters):
         kopf_objects.addFilter(_DropRoutineSuccesses())
+
+
+async def _pdb_version(kube: Kube) -> str:
+    try:
+        return await kube.pdb_api_version()
+    except ApiError as exc:
+        logging.getLogger(__name__).warning("policy API discovery failed (%s); using %s", exc,
+                                            resources.PDB_API_VERSION)
+        return resources.PDB_API_VERSION
+
+
+def _serve_metrics(autoscaler: Autoscaler, options: OperatorOptions,
+                   logger: logging.Logger) -> Any:
+    """The autoscaler's Prometheus metrics on --metrics-port (a thread of
+    prometheus_client's own server); None when off."""
+    if not options.metrics_port:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(options.metrics_port, options.metrics_host,
+                                  registry=autoscaler.metrics.registry)
+    logger.info("autoscaler metrics on http://%s:%d/metrics", options.metrics_host,
+                options.metrics_port)
+    return server
+
+
+async def _autoscale_forever(autoscaler: Autoscaler, options: OperatorOptions) -> None:
+    namespaces: list[str | None] = list(options.namespaces) or [None]
+    while True:
+        await asyncio.sleep(options.autoscale_interval)  # a background task, not a handler
+        try:
+            await autoscaler.tick(namespaces)
+        except ApiError as exc:
+            logging.getLogger(__name__).warning("autoscaler round failed: %s", exc)
+        except Exception:  # noqa: BLE001 - the loop must outlive one bad round
+            logging.getLogger(__name__).exception("autoscaler round failed")
 
 
 async def _resync_forever(controller: Controller, options: OperatorOptions) -> None:

@@ -18,6 +18,7 @@ from sluice.operator.resources import FIELD_MANAGER, GROUP, PLURAL
 logger = logging.getLogger(__name__)
 
 VERSION = "v1alpha1"
+AUTOSCALER_FIELD_MANAGER = "sluice-autoscaler"  # who wrote spec.replicas, in managedFields
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
 
@@ -32,10 +33,15 @@ class ApiError(RuntimeError):
 
 
 class KubeApi(Protocol):
-    """What the controller needs; ``Kube`` is the real one, tests pass a fake."""
+    """What the controller, the autoscaler and the drainer need; ``Kube`` is the real one,
+    tests pass a fake."""
 
     async def apply(self, obj: dict[str, Any]) -> None: ...
     async def scale_deployment(self, namespace: str, name: str, replicas: int) -> bool: ...
+    async def scale_isvc(self, namespace: str, name: str, replicas: int) -> bool: ...
+    async def patch_pod_annotations(self, namespace: str, name: str,
+                                    annotations: dict[str, str | None]) -> None: ...
+    async def create_event(self, namespace: str, event: dict[str, Any]) -> None: ...
     async def get_isvc(self, namespace: str, name: str) -> dict[str, Any] | None: ...
     async def list_isvcs(self, namespace: str | None) -> list[dict[str, Any]]: ...
     async def get_deployment(self, namespace: str, name: str) -> dict[str, Any] | None: ...
@@ -93,17 +99,55 @@ class Kube:
 
     async def apply(self, obj: dict[str, Any]) -> None:
         """Server-side apply (force: the operator owns its children's fields)."""
+        meta = obj["metadata"]
+        if obj["kind"] == "PodDisruptionBudget":  # policy/v1 or v1beta1: a generic path
+            group, version = obj["apiVersion"].split("/")
+            await self._call(self._custom.patch_namespaced_custom_object, group, version,
+                             meta["namespace"], "poddisruptionbudgets", meta["name"], obj,
+                             field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+            return
         method = {"Deployment": self._apps.patch_namespaced_deployment,
                   "Service": self._core.patch_namespaced_service}[obj["kind"]]
-        meta = obj["metadata"]
         await self._call(method, meta["name"], meta["namespace"], obj,
                          field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+
+    async def pdb_api_version(self) -> str:
+        """``policy/v1`` where the API server serves it (1.21+), else ``policy/v1beta1``
+        (1.20; removed in 1.25). Discovery, which every authenticated user may read."""
+        from kubernetes.aio import client
+
+        group = await self._call(client.PolicyApi(self._client).get_api_group)
+        versions = {v.get("version") for v in (group or {}).get("versions") or ()}
+        return "policy/v1" if "v1" in versions or not versions else "policy/v1beta1"
+
+    async def scale_isvc(self, namespace: str, name: str, replicas: int) -> bool:
+        """Set ``spec.replicas`` through the scale subresource (what ``kubectl scale``, HPA
+        and KEDA write); False when the InferenceService is gone."""
+        result = await self._call(self._custom.patch_namespaced_custom_object_scale, GROUP,
+                                  VERSION, namespace, PLURAL, name,
+                                  {"spec": {"replicas": replicas}}, missing_ok=True,
+                                  field_manager=AUTOSCALER_FIELD_MANAGER, _content_type=MERGE)
+        return result is not None
+
+    async def patch_pod_annotations(self, namespace: str, name: str,
+                                    annotations: dict[str, str | None]) -> None:
+        """Set (or, with None, remove) annotations of a pod; a pod that is gone is fine."""
+        await self._call(self._core.patch_namespaced_pod, name, namespace,
+                         {"metadata": {"annotations": annotations}}, missing_ok=True,
+                         field_manager=FIELD_MANAGER, _content_type=MERGE)
+
+    async def create_event(self, namespace: str, event: dict[str, Any]) -> None:
+        """Post a core/v1 Event (the object ``kubectl describe`` shows)."""
+        from kubernetes.aio.client import CoreV1Event
+
+        await self._call(self._core.create_namespaced_event, namespace,
+                         CoreV1Event.from_dict(event))
 
     async def scale_deployment(self, namespace: str, name: str, replicas: int) -> bool:
         """Set only ``spec.replicas``; False when the Deployment does not exist."""
         result = await self._call(self._apps.patch_namespaced_deployment, name, namespace,
                                   {"spec": {"replicas": replicas}}, missing_ok=True,
-                                  field_manager=FIELD_MANAGER, _content_type=MERGE)
+                                  field_manager=AUTOSCALER_FIELD_MANAGER, _content_type=MERGE)
         return result is not None
 
     async def get_isvc(self, namespace: str, name: str) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from sluice.operator.resources import (
     ModelCache,
     OperatorConfig,
 )
+from sluice.operator.routers import DEFAULT_ROUTER_SELECTOR
 from sluice.operator.settings import OperatorOptions
 
 logger = logging.getLogger(__name__)
@@ -59,10 +60,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watch-timeout", type=int, default=300,
                         help="seconds the API server keeps each watch open (default: "
                              "%(default)s)")
+    parser.add_argument("--autoscale-interval", type=_positive, default=5.0, metavar="SECONDS",
+                        help="seconds between the autoscaler's rounds over InferenceServices "
+                             "with spec.autoscaling.enabled (default: %(default)s)")
+    parser.add_argument("--router-selector", default=DEFAULT_ROUTER_SELECTOR,
+                        help="label selector of the router pods whose /autoscale/demand the "
+                             "autoscaler reads (default: %(default)s, the chart's)")
+    parser.add_argument("--router-namespace", default=None,
+                        help="namespace of those router pods (default: each "
+                             "InferenceService's own, where the chart's router serves it)")
+    parser.add_argument("--metrics-port", type=_port_or_zero, default=0,
+                        help="serve the autoscaler's Prometheus metrics (sluice_autoscaler_*) "
+                             "on this port at /metrics; 0: off (default: %(default)s)")
+    parser.add_argument("--metrics-host", default="0.0.0.0",
+                        help="address of --metrics-port (default: %(default)s)")
     parser.add_argument("--liveness", metavar="URL", default=None,
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--operator-log-level", default=None,
                         help="log level of the operator alone (default: sluice --log-level)")
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
+def _port_or_zero(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: a port 1-65535, or 0 for none")
+    return value
 
 
 def options_from(args: argparse.Namespace) -> OperatorOptions:
@@ -81,7 +110,11 @@ def options_from(args: argparse.Namespace) -> OperatorOptions:
     return OperatorOptions(config=config, namespaces=namespaces, probe=args.probe,
                            resync_seconds=args.resync_seconds,
                            request_timeout=args.request_timeout,
-                           watch_timeout=args.watch_timeout)
+                           watch_timeout=args.watch_timeout,
+                           autoscale_interval=args.autoscale_interval,
+                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                           router_selector=args.router_selector,
+                           router_namespace=args.router_namespace or None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,10 @@ Worker pod, for ``sluice://NAME`` (the model store)::
                                                              also one per store draft model)
     container worker:          sluice worker --model NAME ... --host $(POD_IP) --port 8000
       readiness GET /health (503 while loading or draining), liveness GET /metrics,
-      preStop sleep, non-root, read-only root filesystem, /tmp an emptyDir
+      preStop GET drain?wait=drainSeconds (leave readiness, finish in-flight requests),
+      termination grace covering that drain, non-root, read-only root filesystem, /tmp
+      an emptyDir
+    PodDisruptionBudget NAME-worker: maxUnavailable 1 (a node drain evicts one at a time)
 
 ``pvc://CLAIM/path`` mounts the claim read-only at /models/CLAIM; ``file:///path`` passes the
 path as is (it must exist in the image or on the node).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,9 +57,13 @@ WORKER_PORT_NAME = "http"
 WORKER_UID = 1000  # the images' non-root user
 CACHE_MOUNT = "/var/lib/sluice"  # SLUICE_HOME for emptyDir and PVC model caches
 PVC_SOURCE_ROOT = "/models"
-TERMINATION_GRACE_SECONDS = 60
-PRESTOP_SLEEP_SECONDS = 5
+TERMINATION_GRACE_SECONDS = 60  # the least a worker pod gets
+PRESTOP_SLEEP_SECONDS = 5  # the least a worker keeps serving after its deletion starts
+SHUTDOWN_MARGIN_SECONDS = 30  # after the preStop drain: uvicorn's close, the engine's exit
+DRAINING_ANNOTATION = f"{GROUP}/draining"  # on a pod the operator drains before a scale-down
+DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"  # 1.21+; 1.20 ignores
 DEFAULT_WORKER_IMAGE = "sluice:0.1.0"
+PDB_API_VERSION = "policy/v1"  # policy/v1beta1 on Kubernetes 1.20 (kube.Kube asks)
 MODEL_CACHE_DEFAULT = "emptyDir"
 
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -131,6 +139,7 @@ class OperatorConfig:
         worker_command: the executable that takes ``--log-level LEVEL worker ...``.
         worker_log_level: the workers' ``--log-level``.
         image_pull_policy: of every container.
+        pdb_api_version: of the workers' PodDisruptionBudget (what the API server serves).
     """
 
     worker_image: str = DEFAULT_WORKER_IMAGE
@@ -139,6 +148,7 @@ class OperatorConfig:
     worker_command: tuple[str, ...] = ("sluice",)
     worker_log_level: str = "INFO"
     image_pull_policy: str = "IfNotPresent"
+    pdb_api_version: str = PDB_API_VERSION
 
     def image_for(self, engine: str) -> str:
         return (self.vllm_worker_image or self.worker_image) if engine == "vllm" \
@@ -204,6 +214,7 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
         details = str(exc).partition("invalid InferenceService:")[2]
         problems = [line.strip().replace("Value error, ", "") for line in details.splitlines()]
         raise InvalidSpec("; ".join(p for p in problems if p) or str(exc)) from None
+    _check_autoscaling(service)
     name = worker_name(service.metadata.name)
     if len(name) > 63 or not _DNS_1035.match(name):
         raise InvalidSpec(f"metadata.name {service.metadata.name!r}: the worker Service "
@@ -218,6 +229,19 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
         except store.ModelStoreError as exc:
             raise InvalidSpec(f"spec.model.source {model.source!r}: {exc}") from None
     return service
+
+
+def _check_autoscaling(service: InferenceService) -> None:
+    """What the autoscaler cannot act on although each field is valid on its own."""
+    spec = service.spec
+    if not spec.autoscaling.enabled:
+        return
+    if spec.min_replicas == 0 and not spec.autoscaling.scale_to_zero:
+        raise InvalidSpec("spec.minReplicas: 0 needs spec.autoscaling.scaleToZero: true "
+                          "(or set minReplicas to 1 or more)")
+    if spec.max_replicas is None:
+        raise InvalidSpec("spec.maxReplicas: required with spec.autoscaling.enabled (unset, "
+                          "the maximum would be spec.replicas, which the autoscaler writes)")
 
 
 def _plain(value: Any) -> Any:
@@ -344,7 +368,8 @@ def build_pod_template(service: InferenceService, config: OperatorConfig) -> dic
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": WORKER_PORT},
                           "initialDelaySeconds": 60, "periodSeconds": 20, "timeoutSeconds": 10,
                           "failureThreshold": 6},
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "lifecycle": {"preStop": {"httpGet": {"path": _drain_hook_path(service),
+                                              "port": WORKER_PORT}}},
         "resources": resources,
         "securityContext": copy.deepcopy(_CONTAINER_SECURITY),
         "volumeMounts": [tmp, *model.mounts],
@@ -356,7 +381,7 @@ def build_pod_template(service: InferenceService, config: OperatorConfig) -> dic
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(service),
         "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID,
                             "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
@@ -381,6 +406,28 @@ def build_pod_template(service: InferenceService, config: OperatorConfig) -> dic
     template = copy.deepcopy({"metadata": {"labels": labels(name)}, "spec": pod})  # no aliases
     template["metadata"]["annotations"] = {SPEC_HASH_ANNOTATION: spec_hash(template)}
     return template
+
+
+def drain_seconds(service: InferenceService) -> int:
+    """Seconds a worker leaving (scale-down, rollout, eviction) may take to finish its
+    in-flight requests: ``spec.autoscaling.drainSeconds``, rounded up."""
+    return math.ceil(service.spec.autoscaling.drain_seconds)
+
+
+def termination_grace_seconds(service: InferenceService) -> int:
+    """The pod's grace: the preStop drain, then uvicorn's close and the engine's exit."""
+    return max(TERMINATION_GRACE_SECONDS, drain_seconds(service) + SHUTDOWN_MARGIN_SECONDS)
+
+
+def _drain_hook_path(service: InferenceService) -> str:
+    """The preStop hook's path: the worker leaves readiness (``/health`` 503), keeps serving
+    what arrives for at least PRESTOP_SLEEP_SECONDS (routers and Endpoints catch up), and
+    answers once nothing runs or waits, or after drainSeconds; SIGTERM follows.
+
+    No leading slash: kubelets before 1.23 build a hook's URL as ``http://HOST:PORT/`` +
+    path (a leading slash would make ``//drain``); newer ones add the slash themselves.
+    """
+    return f"drain?wait={drain_seconds(service)}&min={PRESTOP_SLEEP_SECONDS}"
 
 
 def spec_hash(template: Mapping[str, Any]) -> str:
@@ -439,8 +486,29 @@ def build_service(body: Mapping[str, Any], service: InferenceService) -> dict[st
     }
 
 
+def build_pdb(body: Mapping[str, Any], service: InferenceService,
+              api_version: str = PDB_API_VERSION) -> dict[str, Any]:
+    """The workers' PodDisruptionBudget: voluntary evictions (``kubectl drain``, node
+    upgrades) take one worker at a time, each draining through its preStop hook, instead of
+    every worker of the model at once. ``maxUnavailable`` rather than ``minAvailable``, so a
+    single replica can still be evicted (its successor starts elsewhere).
+
+    Args:
+        api_version: ``policy/v1`` (Kubernetes 1.21+) or ``policy/v1beta1`` (1.20, and
+            the only one there); the operator asks the API server which it serves.
+    """
+    return {
+        "apiVersion": api_version,
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(body),
+        "spec": {"maxUnavailable": 1,
+                 "selector": {"matchLabels": selector_labels(service.metadata.name)}},
+    }
+
+
 def desired_objects(body: Mapping[str, Any], config: OperatorConfig) -> list[dict[str, Any]]:
-    """The reconcile function: an InferenceService object → its children, Service first.
+    """The reconcile function: an InferenceService object → its children: Service,
+    PodDisruptionBudget, Deployment.
 
     Raises:
         InvalidSpec: see ``parse_service``; also a spec ``sluice worker`` cannot run.
@@ -450,4 +518,5 @@ def desired_objects(body: Mapping[str, Any], config: OperatorConfig) -> list[dic
         deployment = build_deployment(body, service, config)
     except ValueError as exc:
         raise InvalidSpec(str(exc)) from None
-    return [build_service(body, service), deployment]
+    return [build_service(body, service), build_pdb(body, service, config.pdb_api_version),
+            deployment]

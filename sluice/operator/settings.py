@@ -4,7 +4,9 @@ Options come from ``sluice operator`` flags (main.py) or, when kopf is run direc
 (``kopf run -m sluice.operator.handlers``, ``kopf.testing.KopfRunner``), from the
 environment: SLUICE_WORKER_IMAGE, SLUICE_VLLM_WORKER_IMAGE, SLUICE_MODEL_CACHE,
 SLUICE_WORKER_COMMAND, SLUICE_NAMESPACES (comma-separated; empty: all),
-SLUICE_ENDPOINT_PROBE (0 turns the /health probe off), SLUICE_RESYNC_SECONDS.
+SLUICE_ENDPOINT_PROBE (0 turns the /health probe off), SLUICE_RESYNC_SECONDS,
+SLUICE_AUTOSCALE_INTERVAL, SLUICE_METRICS_PORT (0: off), SLUICE_ROUTER_SELECTOR,
+SLUICE_ROUTER_NAMESPACE (empty: each InferenceService's own).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from sluice.operator.resources import (
     ModelCache,
     OperatorConfig,
 )
+from sluice.operator.routers import DEFAULT_ROUTER_SELECTOR
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,11 @@ class OperatorOptions:
         resync_seconds: how often every InferenceService's status is recomputed.
         request_timeout: seconds for each API request the operator makes.
         watch_timeout: seconds the API server keeps one watch open (kopf reconnects).
+        autoscale_interval: seconds between the autoscaler's rounds.
+        metrics_port: where the autoscaler's Prometheus metrics are served; 0: nowhere.
+        metrics_host: the address they are served on.
+        router_selector: label selector of the router pods the autoscaler asks.
+        router_namespace: their namespace; None: each InferenceService's own.
     """
 
     config: OperatorConfig = field(default_factory=OperatorConfig)
@@ -42,6 +50,11 @@ class OperatorOptions:
     resync_seconds: float = 30.0
     request_timeout: float = 15.0
     watch_timeout: int = 300
+    autoscale_interval: float = 5.0
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
+    router_selector: str = DEFAULT_ROUTER_SELECTOR
+    router_namespace: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorOptions:
@@ -55,7 +68,11 @@ class OperatorOptions:
                            if n.strip())
         return cls(config=config, namespaces=namespaces,
                    probe=env.get("SLUICE_ENDPOINT_PROBE", "1") not in ("0", "false", "no"),
-                   resync_seconds=float(env.get("SLUICE_RESYNC_SECONDS") or 30.0))
+                   resync_seconds=float(env.get("SLUICE_RESYNC_SECONDS") or 30.0),
+                   autoscale_interval=float(env.get("SLUICE_AUTOSCALE_INTERVAL") or 5.0),
+                   metrics_port=int(env.get("SLUICE_METRICS_PORT") or 0),
+                   router_selector=env.get("SLUICE_ROUTER_SELECTOR") or DEFAULT_ROUTER_SELECTOR,
+                   router_namespace=env.get("SLUICE_ROUTER_NAMESPACE") or None)
 
 
 def configure(settings: Any, options: OperatorOptions) -> None:

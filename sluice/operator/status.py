@@ -8,6 +8,13 @@ InferenceService's status and its three conditions.
     Degraded     True with a pod's reason: Unschedulable (the scheduler's message, e.g.
                  ``0/1 nodes are available: 1 Insufficient nvidia.com/gpu.``),
                  ImagePullBackOff, CrashLoopBackOff, ... or InvalidSpec.
+    Autoscaling  only while spec.autoscaling.enabled: True (the operator writes
+                 spec.replicas within the bounds), naming the objective it scales for,
+                 which with no spec.slo is the router's default TTFT objective.
+
+The autoscaler's fields (desiredReplicas, lastScaleTime, lastScaleReason, sloAttainment) are
+written by sluice.operator.autoscaler; a refresh keeps them as they are, except that with
+autoscaling off desiredReplicas is spec.replicas and sloAttainment is dropped.
 
 ``lastTransitionTime`` only moves when a condition's status changes.
 """
@@ -21,7 +28,10 @@ from typing import Any
 from sluice.api.service import Condition, InferenceServiceStatus
 from sluice.operator.resources import WORKER_PORT_NAME, endpoint_url, selector_string
 
-READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+READY, PROGRESSING, DEGRADED, AUTOSCALING = "Ready", "Progressing", "Degraded", "Autoscaling"
+# The router's --slo-ttft-ms default (sluice.router.dispatch.DispatchSettings.slo_ttft_ms):
+# the objective of a model whose InferenceService sets no spec.slo.
+ROUTER_DEFAULT_TTFT_MS = 2000
 
 # Container waiting reasons that mean "this will not fix itself soon".
 PROBLEM_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
@@ -140,13 +150,46 @@ def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
         (DEGRADED, "True", problem.reason, problem.message) if problem
         else (DEGRADED, "False", "AsExpected", "no worker pod reports a problem"),
     ]
-    previous, before = _previous(body)
-    generation = observed if observed is not None else before
+    spec = body.get("spec") or {}
+    autoscaled = (spec.get("autoscaling") or {}).get("enabled") is True
+    if autoscaled:
+        conditions.append(_autoscaling(spec, invalid))
+    before = _previous(body)
+    previous = {c.type: c for c in before.conditions}
+    generation = observed if observed is not None else before.observed_generation
     return InferenceServiceStatus(
         observed_generation=generation, replicas=replicas, ready_replicas=ready,
         selector=selector_string(name), endpoint=endpoint_url(name, namespace),
         conditions=[_condition(previous, *c, generation=generation, now=now)
-                    for c in conditions])
+                    for c in conditions],
+        desired_replicas=(before.desired_replicas if autoscaled and
+                          before.desired_replicas is not None else desired),
+        last_scale_time=before.last_scale_time, last_scale_reason=before.last_scale_reason,
+        slo_attainment=before.slo_attainment if autoscaled else None)
+
+
+def objective(spec: Mapping[str, Any]) -> str:
+    """The SLO the autoscaler scales for, in words (the router measures attainment against
+    the same objectives)."""
+    slo = spec.get("slo") or {}
+    percentile = f"p{float(slo.get('percentile') or 95):g}"
+    parts = [f"{label} <= {slo[key]:g} ms" for key, label in (("ttftMs", "TTFT"),
+                                                               ("itlMs", "ITL"))
+             if isinstance(slo.get(key), int | float)]
+    if parts:
+        return f"{' and '.join(parts)} at {percentile}"
+    return (f"TTFT <= {ROUTER_DEFAULT_TTFT_MS} ms at {percentile}: spec.slo sets no objective, "
+            f"so the router's default applies (its --slo-ttft-ms, {ROUTER_DEFAULT_TTFT_MS} ms "
+            "unless changed)")
+
+
+def _autoscaling(spec: Mapping[str, Any], invalid: str | None) -> tuple[str, str, str, str]:
+    if invalid:
+        return AUTOSCALING, "False", "InvalidSpec", invalid
+    low, high = spec.get("minReplicas", 1), spec.get("maxReplicas")
+    return (AUTOSCALING, "True", "Enabled",
+            f"the operator sets spec.replicas within [{low}, {high}] from the routers' demand "
+            f"(kubectl scale is overwritten); objective: {objective(spec)}")
 
 
 def _first_problem(deployment: Mapping[str, Any] | None,
@@ -204,13 +247,12 @@ def _progressing(desired: int, deployment: Mapping[str, Any] | None,
     return PROGRESSING, "False", "Complete", f"{desired} replica(s) updated and ready"
 
 
-def _previous(body: Mapping[str, Any]) -> tuple[dict[str, Condition], int | None]:
-    """The current conditions by type, and the current observedGeneration."""
+def _previous(body: Mapping[str, Any]) -> InferenceServiceStatus:
+    """The current status (empty when it does not validate)."""
     try:
-        status = InferenceServiceStatus.model_validate(body.get("status") or {})
+        return InferenceServiceStatus.model_validate(body.get("status") or {})
     except ValueError:
-        return {}, None
-    return {c.type: c for c in status.conditions}, status.observed_generation
+        return InferenceServiceStatus()
 
 
 def _condition(previous: dict[str, Condition], type_: str, status: str, reason: str,

@@ -2,10 +2,11 @@
 
 uvicorn starts at once and the engine loads on a background thread: ``/health`` answers 503
 until the model is ready, 200 after, and 503 again once SIGTERM starts the graceful drain
-(in-flight requests finish, then the engine shuts down).
+(in-flight requests finish, then the engine shuts down), or once ``/drain`` is called.
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
-/health, /metrics (Prometheus, vLLM names), /tokenizer_info.
+/health, /metrics (Prometheus, vLLM names), /tokenizer_info; POST|GET|DELETE /drain (the
+operator's scale-down and the pod's preStop hook: leave readiness first, finish what runs).
 
 This module holds the CLI, the Worker's lifecycle, the app factory and its routes. A route
 parses the body (sluice.api.openai models; every client error is a 4xx OpenAI error body,
@@ -159,7 +160,7 @@ class WorkerServer(uvicorn.Server):
         self.worker = worker
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.worker.draining = True
+        self.worker.draining = self.worker.terminating = True
         super().handle_exit(sig, frame)
 
     def stop(self) -> None:
@@ -177,7 +178,9 @@ class Worker:
         root: the model folder (shown in /v1/models).
         engine: None until loaded.
         load_error: the exception that stopped loading, if any.
-        draining: SIGTERM seen; /health answers 503 while in-flight requests finish.
+        draining: SIGTERM seen or /drain called; /health answers 503 while in-flight
+            requests finish (requests that still arrive are served).
+        terminating: SIGTERM seen (a drain that DELETE /drain cannot undo).
         on_load_failed: called (from the loader thread) when loading fails.
     """
 
@@ -189,6 +192,7 @@ class Worker:
         self.texts: oa.TokenTexts | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+        self.terminating = False
         self.on_load_failed: Callable[[], None] = lambda: None
         self.metrics = WorkerMetrics(served_model_name, self._stats)
 
@@ -238,6 +242,11 @@ class Worker:
 
     def _stats(self) -> Any:
         return self.engine.stats() if self.engine is not None else None
+
+    def busy(self) -> tuple[int, int]:
+        """(requests running, requests waiting) in the engine now."""
+        stats = self._stats()
+        return (int(stats.num_running), int(stats.num_waiting)) if stats is not None else (0, 0)
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -312,7 +321,42 @@ def create_app(worker: Worker) -> FastAPI:
                                        arrival, bool(req.stream), req.include_usage)
 
     _add_tokenizer_routes(app, worker)
+    _add_drain_routes(app, worker)
     return app
+
+
+DRAIN_POLL_S = 0.25
+
+
+def _add_drain_routes(app: FastAPI, worker: Worker) -> None:
+    @app.api_route("/drain", methods=["GET", "POST"])
+    async def drain(wait: float = 0.0, min: float = 0.0) -> dict:  # noqa: A002 - query name
+        """Leave readiness (/health 503) and keep serving; answer with what is left.
+
+        ``?wait=S``: answer once nothing runs or waits, after at least ``min`` seconds and at
+        most S — the pod's preStop hook (a GET: Kubernetes 1.20 hooks are httpGet or exec),
+        so SIGTERM comes once the worker is idle. The operator POSTs it without a wait
+        before a scale-down and polls it until the worker is idle.
+        """
+        worker.draining = True
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while True:
+            running, waiting = worker.busy()
+            elapsed = loop.time() - started
+            if (running + waiting == 0 and elapsed >= min) or elapsed >= wait:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        return {"status": "draining", "running": running, "waiting": waiting}
+
+    @app.delete("/drain")
+    async def undrain() -> JSONResponse:
+        """Back into readiness (a scale-down that was called off); not once SIGTERM came."""
+        if worker.terminating:
+            return JSONResponse(oa.http_error_body(409, "the worker is shutting down"),
+                                status_code=409)
+        worker.draining = False
+        return JSONResponse({"status": "serving"})
 
 
 def _add_tokenizer_routes(app: FastAPI, worker: Worker) -> None:

@@ -101,9 +101,15 @@ chart README. Cluster-wide only with operator.watchAllNamespaces. */}}
 - apiGroups: ["serving.sluice.dev"]
   resources: ["inferenceservices/finalizers"]
   verbs: ["update"]
+- apiGroups: ["serving.sluice.dev"]
+  resources: ["inferenceservices/scale"]
+  verbs: ["patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "patch"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create", "patch"]
@@ -112,11 +118,16 @@ chart README. Cluster-wide only with operator.watchAllNamespaces. */}}
   verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
+{{- end }}
+
+{{/* The router pods the operator's autoscaler reads (/autoscale/demand): this chart's router labels, any release, so router-only installs in other watched namespaces count too. */}}
+{{- define "sluice.router.podSelector" -}}
+{{- printf "app.kubernetes.io/name=%s,app.kubernetes.io/component=router" (include "sluice.name" .) }}
 {{- end }}
