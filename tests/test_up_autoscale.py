@@ -21,6 +21,7 @@ import httpx
 import pytest
 import yaml
 
+from conftest import free_port
 from test_up import MODEL, Up
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,8 @@ def wait_for_line(up: Up, pattern: str, timeout: float) -> re.Match:
 
 
 def test_a_burst_adds_a_worker_that_takes_traffic_and_scale_down_loses_nothing(tmp_path):
-    up = Up([], tmp_path / "up.log", example=AUTOSCALING)
+    metrics_port = free_port()
+    up = Up(["--metrics-port", str(metrics_port)], tmp_path / "up.log", example=AUTOSCALING)
     try:
         assert len(httpx.get(f"{up.url}/health", timeout=5).json()["workers"]) == 1
         busiest: dict[str, int] = {}
@@ -97,6 +99,10 @@ def test_a_burst_adds_a_worker_that_takes_traffic_and_scale_down_loses_nothing(t
         assert f"{drained.group(1)} stopped" in up.output()
         workers = httpx.get(f"{up.url}/health", timeout=5).json()["workers"]
         assert len([w for w in workers if w["listed"]]) == 1
+        scrape = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+        assert f'sluice_autoscaler_desired_replicas{{model="{MODEL}"}} 1.0' in scrape
+        assert (f'sluice_autoscaler_decisions_total{{direction="down",model="{MODEL}",'
+                'reason="consolidate"} 1.0') in scrape, scrape
     finally:
         up.close()
 
