@@ -1,4 +1,4 @@
-"""The `sluice` command: up | worker | router | models | operator | bench.
+"""The `sluice` command: up | worker | router | models | operator | bench | profile.
 
 Each component module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and keeps
 heavy imports (torch) inside ``run``, so ``sluice router --help`` stays fast.
@@ -18,6 +18,8 @@ COMMANDS = {
     "models": ("sluice.models.cli", "fetch and list models in the local store"),
     "operator": ("sluice.operator.main", "run the InferenceService operator (kopf)"),
     "bench": ("sluice.bench.cli", "load an OpenAI endpoint: TTFT/ITL/E2E, goodput, cost"),
+    "profile": ("sluice.bench.profile", "one replica's capacity (req/s) at the SLO's tail, "
+                "for spec.autoscaling.capacityRPS"),
 }
 
 

@@ -1,0 +1,294 @@
+"""`sluice profile`: one replica's capacity at the SLO's tail, for ``spec.autoscaling.capacityRPS``.
+
+Drives one server (a worker, or a router in front of one) with open-loop Poisson arrivals
+at increasing rates, one step per rate, through `sluice bench`'s runner; each step's
+requests all finish before the next step starts. A step *meets* the objectives when every
+request succeeded, the p{percentile} TTFT is within ``--slo-ttft-ms`` and the p{percentile}
+ITL is within ``--slo-itl-ms``. Stepping stops at the first rate that misses; the capacity
+is the highest rate that met (0 when even the lowest missed).
+
+    rate (req/s)  0.25   0.5    1     2     4
+    met?           yes   yes   yes    no    (not run)      → capacity_rps = 1
+
+Per-request ITL is the request's mean inter-token gap, the quantity the router's SLO
+verdicts use (``sluice.router.demand``); a request with one output token has none and meets
+the ITL objective. A failed request misses both objectives.
+
+Exit status: 0 measured (the capacity may be 0: the last line says so); 2 bad arguments or
+no usable server (nothing measured); 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from sluice.bench import report, schedule, workload
+from sluice.bench.client import RequestRecord
+from sluice.bench.runner import LoadConfig, run as run_load
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RATES = "0.25,0.5,1,1.5,2,3,4,6,8"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="worker or router base URL, e.g. "
+                        "http://127.0.0.1:8001 (one replica behind it)")
+    parser.add_argument("--model", required=True, help="model name sent in each request")
+    parser.add_argument("--tokenizer", help="tokenizer.json, a model folder or a model-store "
+                        "name (default: --model in the model store)")
+    parser.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT objective (ms)")
+    parser.add_argument("--slo-itl-ms", type=float, required=True,
+                        help="ITL objective (ms): a request's mean inter-token gap")
+    parser.add_argument("--percentile", type=float, default=95.0,
+                        help="the objectives hold at this percentile of requests (default 95)")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=64,
+                        help="output tokens per request (exact: ignore_eos)")
+    parser.add_argument("--rates", default=DEFAULT_RATES,
+                        help=f"comma-separated request rates (req/s), tried in increasing order "
+                        f"(default {DEFAULT_RATES})")
+    parser.add_argument("--duration", type=float, default=30.0,
+                        help="seconds of arrivals per rate (default 30)")
+    parser.add_argument("--min-requests", type=int, default=10,
+                        help="at least this many requests per rate: a low rate's step runs "
+                        "longer than --duration (default 10)")
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="seconds per request; a request past it fails (default 120)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
+    parser.add_argument("--output", help="write the profile as JSON")
+
+
+@dataclass(frozen=True)
+class Objectives:
+    """The SLO a step is judged by: ``ttft_ms`` and ``itl_ms`` at the ``percentile``-th
+    percentile (0–100] of requests."""
+
+    ttft_ms: float
+    itl_ms: float
+    percentile: float = 95.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One rate's result.
+
+    Attributes:
+        rate_rps: the offered Poisson rate (requests/s).
+        requests, failed: requests sent / of those, not answered in full.
+        duration_s: first send to last completion (s).
+        ttft_ms, itl_ms: the objectives' percentile of TTFT and of per-request mean ITL
+            over successful requests (ms; None when there is none).
+        attainment: fraction of requests that met both objectives (0–1).
+        met: every request succeeded and both percentiles are within the objectives.
+    """
+
+    rate_rps: float
+    requests: int
+    failed: int
+    duration_s: float
+    ttft_ms: float | None
+    itl_ms: float | None
+    attainment: float
+    met: bool
+
+
+def mean_itl_s(record: RequestRecord) -> float | None:
+    """A request's mean inter-token gap (s); None with fewer than two output tokens."""
+    return sum(record.itl_s) / len(record.itl_s) if record.itl_s else None
+
+
+def verdicts(record: RequestRecord, ttft_ms: float | None, itl_ms: float | None
+             ) -> tuple[bool, bool]:
+    """(TTFT met, ITL met) for one request, as the router judges them: a failed request
+    meets neither; no ITL (one token) meets the ITL objective; None objectives are met."""
+    if not record.ok or record.ttft_s is None:
+        return False, False
+    ttft_ok = ttft_ms is None or record.ttft_s * 1000.0 <= ttft_ms
+    itl = mean_itl_s(record)
+    return ttft_ok, itl_ms is None or itl is None or itl * 1000.0 <= itl_ms
+
+
+def judge(rate_rps: float, records: Sequence[RequestRecord], slo: Objectives) -> Step:
+    """One step's statistics and verdict from its finished records (pure)."""
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft_s * 1000.0 for r in ok if r.ttft_s is not None]
+    itls = [g * 1000.0 for r in ok if (g := mean_itl_s(r)) is not None]
+    ttft_p = report.percentile(ttfts, slo.percentile) if ttfts else None
+    itl_p = report.percentile(itls, slo.percentile) if itls else None
+    both = sum(all(verdicts(r, slo.ttft_ms, slo.itl_ms)) for r in records)
+    met = (bool(records) and len(ok) == len(records) and ttft_p is not None
+           and ttft_p <= slo.ttft_ms and (itl_p is None or itl_p <= slo.itl_ms))
+    return Step(rate_rps, len(records), len(records) - len(ok), report.duration_s(records),
+                ttft_p, itl_p, both / len(records) if records else 0.0, met)
+
+
+def capacity(steps: Sequence[Step]) -> float:
+    """The highest rate (req/s) among the steps that met, before the first that missed;
+    0.0 when the first step missed."""
+    best = 0.0
+    for step in steps:
+        if not step.met:
+            break
+        best = max(best, step.rate_rps)
+    return best
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"0.5,1,2"`` → ``[0.5, 1.0, 2.0]``, sorted and without duplicates.
+
+    Raises:
+        ValueError: an empty list, or a rate that is not a finite number > 0.
+    """
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or not all(r > 0 and math.isfinite(r) for r in rates):
+        raise ValueError(f"--rates must be positive request rates (req/s), got {text!r}")
+    return sorted(set(rates))
+
+
+def _check(args: argparse.Namespace) -> list[float]:
+    """The rates; raises ValueError naming the first bad argument."""
+    rates = parse_rates(args.rates)
+    for name in ("slo_ttft_ms", "slo_itl_ms", "duration", "request_timeout"):
+        value = getattr(args, name)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value:g}")
+    if not 0 < args.percentile <= 100:
+        raise ValueError(f"--percentile must be in (0, 100], got {args.percentile:g}")
+    for name in ("input_len", "output_len", "min_requests"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return rates
+
+
+def check_server(url: str, model: str, timeout_s: float = 5.0) -> None:
+    """Raises ValueError unless ``url`` answers ``GET /v1/models`` listing ``model``."""
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s, trust_env=False)
+        response.raise_for_status()
+        served = [m.get("id") for m in response.json().get("data", [])]
+    except httpx.HTTPError as exc:
+        raise ValueError(f"no server at {url} ({type(exc).__name__}: {exc}); start a worker "
+                         "with `sluice worker` or pass --url") from None
+    except (ValueError, AttributeError):
+        raise ValueError(f"{url}/v1/models is not an OpenAI model list") from None
+    if model not in served:
+        raise ValueError(f"{url} does not serve {model!r} (it serves: {', '.join(served) or 'none'})")
+
+
+def step_specs(builder: workload.PromptBuilder, rate_rps: float, args: argparse.Namespace,
+               seed: int) -> list[workload.RequestSpec]:
+    """One step's requests with Poisson arrival offsets (s): those before ``--duration``,
+    and at least ``--min-requests``. Prompts are built before the clock starts."""
+    arrivals = schedule.arrivals(rate_rps, 1.0, seed)
+    times = []
+    for at in arrivals:
+        if at >= args.duration and len(times) >= args.min_requests:
+            break
+        times.append(at)
+    lengths = workload.synthetic(builder, workload.LengthDist("fixed", args.input_len),
+                                 workload.LengthDist("fixed", args.output_len), seed)
+    return [workload.RequestSpec(spec.prompt, spec.max_tokens, spec.input_tokens, arrival_s=at)
+            for at, spec in zip(times, lengths)]
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        rates = _check(args)
+        check_server(args.url, args.model)
+        tok = workload.Tokenizer(workload.resolve_tokenizer(args.tokenizer, args.model))
+        builder = workload.PromptBuilder(tok)
+    except (ValueError, OSError) as exc:
+        print(f"sluice profile: {exc}", file=sys.stderr)
+        return 2
+    slo = Objectives(args.slo_ttft_ms, args.slo_itl_ms, args.percentile)
+    err = Console(stderr=True)
+    steps: list[Step] = []
+    interrupted = False
+    warmup = list(itertools.islice(workload.synthetic(
+        builder, workload.LengthDist("fixed", 32), workload.LengthDist("fixed", 8),
+        args.seed + 1_000_003), 1))
+    for i, rate in enumerate(rates):
+        specs = step_specs(builder, rate, args, args.seed + i)
+        cfg = LoadConfig(url=args.url, model=args.model, concurrency=None, open_loop=True,
+                         num_requests=len(specs), request_timeout_s=args.request_timeout)
+        err.print(f"rate {rate:g} req/s: {len(specs)} requests ...")
+        result = asyncio.run(run_load(cfg, specs, tok, None, warmup if i == 0 else ()))
+        if result.interrupted:
+            interrupted = True
+            break
+        step = judge(rate, result.records, slo)
+        steps.append(step)
+        if not step.met:
+            break
+    cap = capacity(steps)
+    Console().print(table(steps, slo, args.model, args.url))
+    if args.output:
+        write_json(args.output, args, slo, steps, cap)
+        print(f"wrote {args.output}")
+    print(conclusion(cap, steps, slo))
+    return 130 if interrupted else 0
+
+
+def conclusion(cap: float, steps: Sequence[Step], slo: Objectives) -> str:
+    """The last line: what to put in the manifest, or why there is nothing to put."""
+    objectives = (f"p{slo.percentile:g} TTFT <= {slo.ttft_ms:g} ms and ITL <= "
+                  f"{slo.itl_ms:g} ms")
+    if not steps:
+        return "capacity: not measured (interrupted before the first rate finished)"
+    if cap == 0:
+        return (f"capacity: 0 req/s: even the lowest rate ({steps[0].rate_rps:g} req/s) misses "
+                f"{objectives}; loosen the objectives, shorten the requests or try lower "
+                "--rates")
+    return (f"capacity: {cap:g} req/s per replica at {objectives}; put `capacityRPS: {cap:g}` "
+            "under spec.autoscaling")
+
+
+def table(steps: Sequence[Step], slo: Objectives, model: str, url: str):
+    """A rich Table: one row per rate."""
+    from rich.table import Table
+
+    p = f"p{slo.percentile:g}"
+    t = Table(title=f"sluice profile: {model} @ {url} (TTFT <= {slo.ttft_ms:g} ms, ITL <= "
+              f"{slo.itl_ms:g} ms at {p})", header_style="bold")
+    for name in ("rate (req/s)", "requests", f"TTFT {p} (ms)", f"ITL {p} (ms)",
+                 "attainment", "met?"):
+        t.add_column(name, justify="right")
+    for s in steps:
+        failed = f" ({s.failed} failed)" if s.failed else ""
+        t.add_row(f"{s.rate_rps:g}", f"{s.requests}{failed}", _ms(s.ttft_ms), _ms(s.itl_ms),
+                  f"{s.attainment:.0%}", "yes" if s.met else "[red]no[/red]")
+    return t
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def write_json(path: str | Path, args: argparse.Namespace, slo: Objectives,
+               steps: Sequence[Step], cap: float) -> None:
+    """``{model, url, input_len, output_len, slo, percentile, capacity_rps, duration_s,
+    steps}``; times in ms (``*_ms``) and s (``*_s``), rates in req/s."""
+    data = {"model": args.model, "url": args.url, "input_len": args.input_len,
+            "output_len": args.output_len,
+            "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms},
+            "percentile": slo.percentile, "capacity_rps": cap, "duration_s": args.duration,
+            "steps": [asdict(s) for s in steps]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")

@@ -1,0 +1,121 @@
+"""`sluice profile`: the verdict and the capacity from fixed records (pure), bad input in
+one line with exit 2, and real runs against a real worker (tiny steps)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, free_port
+from sluice import cli
+from sluice.bench import profile
+from sluice.bench.client import RequestRecord
+from sluice.models import store
+
+SLO = profile.Objectives(ttft_ms=500, itl_ms=100, percentile=50)
+
+
+def _ok(i: int, ttft_s: float, gaps: list[float]) -> RequestRecord:
+    return RequestRecord(i, max_tokens=len(gaps) + 1, input_tokens=8, start_s=i, ok=True,
+                         end_s=i + ttft_s + sum(gaps), ttft_s=ttft_s, itl_s=gaps,
+                         output_tokens=len(gaps) + 1)
+
+
+def test_a_step_is_judged_at_the_percentile_on_mean_itl():
+    records = [_ok(0, 0.1, [0.05, 0.05]), _ok(1, 0.2, [0.3, 0.01]), _ok(2, 0.9, [0.2])]
+    step = profile.judge(2.0, records, SLO)
+    assert step.ttft_ms == pytest.approx(200) and step.itl_ms == pytest.approx(155)
+    assert not step.met  # p50 mean ITL 155 ms > 100 ms
+    assert step.attainment == pytest.approx(1 / 3)  # only the first meets both
+    assert profile.judge(2.0, records[:1], SLO).met
+
+
+def test_a_failed_request_misses_and_one_token_meets_itl():
+    failed = RequestRecord(1, max_tokens=4, input_tokens=8, error_code="500")
+    assert not profile.judge(1.0, [_ok(0, 0.1, []), failed], SLO).met
+    one_token = profile.judge(1.0, [_ok(0, 0.1, [])], SLO)
+    assert one_token.met and one_token.itl_ms is None and one_token.attainment == 1.0
+
+
+def test_capacity_is_the_last_rate_met_before_the_first_miss():
+    def step(rate, met):
+        return profile.Step(rate, 1, 0, 1.0, 1.0, 1.0, 1.0 if met else 0.0, met)
+
+    assert profile.capacity([step(0.5, True), step(1, True), step(2, False)]) == 1
+    assert profile.capacity([step(0.5, False)]) == 0
+    assert profile.capacity([step(0.5, True), step(1, False), step(2, True)]) == 0.5
+    assert profile.capacity([]) == 0
+
+
+def test_rates_are_sorted_positive_numbers():
+    assert profile.parse_rates("2, 0.5,1,1") == [0.5, 1.0, 2.0]
+    for bad in ("", "0,1", "-1", "a,b", "inf"):
+        with pytest.raises(ValueError, match="--rates"):
+            profile.parse_rates(bad)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rates", "0,1"], "--rates must be positive"),
+    (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be > 0"),
+    (["--percentile", "120"], "--percentile must be in (0, 100]"),
+    ([], "no server at"),  # nothing listens on the port
+])
+def test_bad_input_is_one_line_and_exit_2(extra, message):
+    argv = ["profile", "--url", f"http://127.0.0.1:{free_port()}", "--model", "m",
+            "--slo-ttft-ms", "1000", "--slo-itl-ms", "200", *extra]
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
+    assert proc.stderr.startswith("sluice profile: ") and message in proc.stderr
+
+
+def test_a_model_the_server_does_not_serve_is_bad_input(worker_url, capsys):
+    assert cli.main(["profile", "--url", worker_url, "--model", "no-such-model",
+                     "--slo-ttft-ms", "1000", "--slo-itl-ms", "200"]) == 2
+    assert "does not serve 'no-such-model'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- real worker
+
+RATES = [1.0, 2.0]
+
+
+def _profile(url: str, out, ttft_ms: str, itl_ms: str) -> tuple[dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "profile", "--url", url, "--model",
+         store.DEFAULT_MODEL, "--slo-ttft-ms", ttft_ms, "--slo-itl-ms", itl_ms,
+         "--input-len", "16", "--output-len", "4", "--rates", ",".join(map(str, RATES)),
+         "--duration", "1", "--min-requests", "2", "--output", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_profile_a_real_worker(worker_url, tmp_path):
+    data, stdout = _profile(worker_url, tmp_path / "p.json", "60000", "60000")
+    assert set(data) >= {"model", "input_len", "output_len", "slo", "percentile",
+                         "capacity_rps", "steps"}
+    assert (data["model"], data["input_len"], data["output_len"]) == (store.DEFAULT_MODEL, 16, 4)
+    assert data["slo"] == {"ttft_ms": 60000, "itl_ms": 60000} and data["percentile"] == 95
+    assert data["capacity_rps"] in [0, *RATES]
+    steps = data["steps"]
+    assert [s["rate_rps"] for s in steps] == RATES[:len(steps)]
+    assert all(s["met"] for s in steps[:-1])  # stepping stops at the first miss
+    for s in steps:
+        assert s["requests"] >= 2 and s["failed"] == 0 and 0 < s["ttft_ms"]
+    assert "TTFT p95 (ms)" in stdout and "attainment" in stdout
+    if data["capacity_rps"]:
+        assert f"capacityRPS: {data['capacity_rps']:g}" in stdout.strip().splitlines()[-1]
+
+
+def test_an_slo_no_rate_meets_gives_capacity_0_and_says_so(worker_url, tmp_path):
+    data, stdout = _profile(worker_url, tmp_path / "p.json", "1", "1")
+    assert data["capacity_rps"] == 0
+    assert len(data["steps"]) == 1 and not data["steps"][0]["met"]
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("capacity: 0 req/s: even the lowest rate (1 req/s) misses")
+    assert "capacityRPS" not in last
