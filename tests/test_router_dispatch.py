@@ -83,7 +83,8 @@ def test_objectives_headers_then_inferenceservice_then_flags():
 def test_priority_from_header_or_body():
     _, d = fleet()
     assert d.routing_request({**BODY, "priority": 3}, {}, 0).priority == 3
-    assert d.routing_request({**BODY, "priority": 3}, {"x-priority": "-2"}, 0).priority == -2
+    assert d.routing_request({**BODY, "priority": 3}, {"x-priority": "-2"}, 0,
+                             ceiling=-2).priority == -2  # a tenant allowed -2 (test_tenants)
 
 
 @pytest.mark.parametrize("headers, body, param", [

@@ -34,6 +34,12 @@ ROUTER_QUEUE_WAIT = "sluice_router_queue_wait_seconds"
 ROUTER_RETRIES = "sluice_router_retries_total"
 ROUTER_TTFT_PREDICTION_MAPE = "sluice_router_ttft_prediction_mape"
 ROUTER_TTFT_PREDICTION_ERROR = "sluice_router_ttft_prediction_error_seconds"
+ROUTER_EJECTIONS = "sluice_router_endpoint_ejections_total"
+
+# router: API-key tenants (labels: the tenants of the key file)
+ROUTER_TENANT_REQUESTS = "sluice_router_tenant_requests_total"
+ROUTER_TENANT_TOKENS = "sluice_router_tenant_tokens_total"
+ROUTER_TENANT_RATE_LIMITED = "sluice_router_tenant_rate_limited_total"
 
 # router: demand as admission sees it (what the autoscaler reads; per model)
 ROUTER_ARRIVALS = "sluice_router_arrivals_total"

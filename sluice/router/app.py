@@ -13,9 +13,22 @@ byte (SIGKILL, OOM) costs one retry elsewhere; a stream that breaks after its fi
 ends with an SSE error event. Either way the worker is marked down until a poll finds it
 healthy again (passive health checking).
 
-Errors are OpenAI error bodies: 400 malformed JSON or routing header, 404 unknown model (no
-worker contacted), 429 admission queue full (with ``Retry-After``), 503 no ready worker,
-502 worker unreachable or failed, 504 no first byte within ``--first-byte-timeout`` or a gap
+A worker that fails (a poll cannot reach it or finds it unhealthy, a request to it times out
+or loses its connection) is ejected: every request waiting there for its first byte goes to
+another worker at once, rather than wait out a timeout (``sluice.router.endpoints``). A
+kept-alive connection that the worker closed just as a request was written is not a failure:
+the request is written again on another connection (``sluice.router.proxy.post``); the router's idle keep-alive
+(4 s) stays below the worker's (uvicorn's 5 s), so that is rare.
+
+With ``--api-keys FILE`` every /v1 route needs ``Authorization: Bearer KEY``; each key's
+tenant has a priority ceiling and RPM/TPM limits (``sluice.router.tenants``). /health,
+/livez, /metrics and /autoscale/demand stay open (probes, Prometheus, the autoscaler).
+
+Errors are OpenAI error bodies: 400 malformed JSON or routing header (out of bounds too),
+401 no or unknown API key, 403 a priority the client may not use, 404 unknown model (no
+worker contacted), 413 a body over ``--max-body-bytes`` (refused while reading it), 429
+admission queue full or a tenant's limit (with ``Retry-After``), 503 no ready worker, 502
+worker unreachable or failed, 504 no first byte within ``--first-byte-timeout`` or a gap
 longer than ``--read-timeout``.
 
 Workers come from ``--worker URL`` (static discovery) or, with ``--discovery kubernetes``,
@@ -30,10 +43,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import httpx
@@ -43,29 +55,28 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from sluice.api.openai import error_body, http_error_body
+from sluice.api.openai import http_error_body
 from sluice.argtypes import http_url, port
 from sluice.logs import quiet_probe_access_logs
 from sluice.router import discovery
 from sluice.router.admission import Rejected
 from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
-from sluice.router.endpoints import Endpoint, EndpointSet, Lease, WorkerLoad
+from sluice.router.endpoints import EndpointSet
+from sluice.router.exchange import Exchange
 from sluice.router.metrics import DemandCollector, RouterMetrics
-from sluice.router.policy import DEFAULT_POLICY, POLICIES, Prediction, RoutingRequest
-from sluice.router.relay import ClientDisconnected, RelayResponse, unless_disconnected
+from sluice.router.policy import DEFAULT_POLICY, POLICIES, RoutingRequest
+from sluice.router.proxy import (CLIENT_CLOSED, TryElsewhere, forward, forward_headers,
+                                 note_reuse, openai_error)
+from sluice.router.relay import BodyTooLarge, ClientDisconnected, read_body, unless_disconnected
+from sluice.router.tenants import (Charge, KeyFileError, KeyRing, RateLimited, Tenant,
+                                   TenantCollector, TenantLimits, Unauthorized, estimate_tokens)
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-# Hop-by-hop headers (RFC 9110 §7.6.1) and ones the HTTP client or server sets itself.
-DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
-                        "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection"}
-DROP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding",
-                         "date", "server"}
-CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
 DISCOVERY = ("static", "kubernetes", "file")
 NO_WORKER_RETRY_AFTER_S = 5  # a replica may be starting (scale from zero)
+MAX_BODY_BYTES = 16 * 1024 * 1024  # a full context of text is far smaller
+KEEPALIVE_S = 4.0  # below the worker's idle keep-alive (uvicorn's timeout_keep_alive, 5 s)
 
 
 @dataclass
@@ -86,6 +97,10 @@ class RouterConfig:
             worker's whole answer for a plain request); above realistic TTFT plus queueing.
         read_timeout: seconds allowed between two chunks of a stream.
         poll_interval: seconds between health polls of each worker.
+        max_body_bytes: the largest request body accepted (413 beyond, found while reading).
+        keepalive_timeout: seconds an idle worker connection is kept for reuse; below the
+            worker's own idle timeout, so the router never writes on one the worker closes.
+        api_keys: the API key file (``sluice.router.tenants``); None: no keys needed.
     """
 
     workers: list[str] = field(default_factory=list)
@@ -98,6 +113,9 @@ class RouterConfig:
     first_byte_timeout: float = 300.0
     read_timeout: float = 600.0
     poll_interval: float = 1.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    keepalive_timeout: float = KEEPALIVE_S
+    api_keys: str | None = None
 
 
 @dataclass
@@ -110,91 +128,11 @@ class RouterState:
     metrics: RouterMetrics
     client: httpx.AsyncClient  # polls
     session: aiohttp.ClientSession  # the proxy path (aiohttp: about half httpx's CPU per request)
-
-
-def openai_error(status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None) -> JSONResponse:
-    """An OpenAI error response (the body shape is ``sluice.api.openai.error_body``'s)."""
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+    keys: KeyRing | None = None  # --api-keys
+    tenants: TenantLimits = field(default_factory=TenantLimits)
 
 
 # ---------------------------------------------------------------------------- the proxy path
-
-class _Exchange:
-    """Bookkeeping of one request sent to one endpoint: the lease, the metric hooks and the
-    latency observations.
-
-    ``on_chunk`` runs per upstream chunk; ``on_complete`` (idempotent) from ``finally``.
-    The first token is the first SSE event after a chat stream's role events (one per
-    choice, sent before any token); for a plain response, the whole body.
-    """
-
-    def __init__(self, state: RouterState, routing: RoutingRequest, endpoint: Endpoint,
-                 start: float, prediction: Prediction):
-        self.state, self.routing, self.model, self.start = state, routing, routing.model, start
-        self.endpoint, self.prediction = endpoint, prediction
-        self.lease = Lease(endpoint, prefill_tokens=prediction.features[3] * 1000.0)
-        self.sent_at = time.monotonic()
-        self.status = 0
-        self._role_events = _role_events(routing)
-        self._events = 0
-        self._first_token_at: float | None = None
-        self._last_chunk: float | None = None
-        self._gaps = 0
-        state.metrics.in_flight.inc()
-        state.dispatcher.dispatched(endpoint, routing)
-        state.dispatcher.demand.started(self.model)
-
-    def on_headers(self, status: int, headers: Any) -> None:
-        self.status = status
-        report = WorkerLoad.from_headers(headers, time.monotonic())
-        if report is not None:
-            self.endpoint.reported = report
-
-    def on_chunk(self, chunk: bytes) -> None:
-        now = time.monotonic()
-        if self._first_token_at is None:
-            self._events += chunk.count(b"data: ")
-            if self._events > self._role_events:
-                self._first_token(now)
-        else:
-            self.state.metrics.itl.observe(now - self._last_chunk)
-            self._gaps += 1
-        self._last_chunk = now
-
-    def _first_token(self, now: float) -> None:
-        self._first_token_at = now
-        self.state.metrics.ttft.observe(now - self.start)
-        self.state.dispatcher.demand.first_token(self.model, now - self.start,
-                                                 self.routing.ttft_slo_s)
-        self.lease.first_token()
-        self.state.dispatcher.first_token(self.endpoint, self.prediction, now - self.sent_at,
-                                          self.model)
-
-    def on_complete(self, counted: bool = True) -> None:
-        """Release the endpoint; count the request unless ``counted`` is False (it will be
-        tried elsewhere)."""
-        if not self.lease.release():
-            return
-        self.state.metrics.in_flight.dec()
-        gap = None
-        if self._gaps and self._first_token_at is not None and self._last_chunk is not None:
-            gap = (self._last_chunk - self._first_token_at) / self._gaps
-        self.state.dispatcher.finished(self.endpoint, self.prediction, gap, self.model)
-        self.state.dispatcher.demand.finished(self.model, gap if counted else None,
-                                              self.routing.itl_slo_s)
-        if counted:
-            self.state.metrics.e2e.observe(time.monotonic() - self.start)
-            self.state.metrics.requests.labels(self.model, str(self.status)).inc()
-
-
-def _role_events(routing: RoutingRequest) -> int:
-    """SSE events a chat stream sends before its first token (the role chunks)."""
-    if not routing.stream or "messages" not in routing.body:
-        return 0
-    n = routing.body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-
 
 async def route_request(request: Request, path: str) -> Response:
     """Proxy one OpenAI request to a worker; see the module docstring for the error cases.
@@ -206,80 +144,134 @@ async def route_request(request: Request, path: str) -> Response:
     state: RouterState = request.app.state.router
     start = time.monotonic()
     try:
-        raw = await request.body()
+        tenant = _tenant(state, request, start)
+    except Unauthorized as exc:
+        return _count(state, None, _unauthorized(exc))
+    try:
+        raw = await read_body(request, state.config.max_body_bytes)
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
+    except BodyTooLarge:
+        return _count(state, None, _too_large(state.config.max_body_bytes), tenant)
     body, error = _parse(raw, state.endpoints)
     if error is not None:
-        return _count(state, None, error)
+        return _count(state, None, error, tenant)
     model = body["model"]
     try:
-        routing = state.dispatcher.routing_request(body, request.headers, start)
+        routing = state.dispatcher.routing_request(
+            body, request.headers, start, tenant.max_priority if tenant is not None else None)
+        charge = None if tenant is None else _charge(state, tenant, body, start)
     except BadRoutingHeader as exc:
-        return _count(state, model, openai_error(400, str(exc), "invalid_request_error",
-                                                 exc.param))
+        return _count(state, model, openai_error(
+            exc.status, str(exc), "invalid_request_error" if exc.status == 400 else
+            "permission_error", exc.param, None if exc.status == 400 else "priority_not_allowed"),
+            tenant)
+    except RateLimited as exc:  # (counted for the tenant already)
+        response = openai_error(429, str(exc), "rate_limit_error", code="rate_limit_exceeded")
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return _count(state, model, response)
     state.dispatcher.demand.arrived(model)
     try:
         if not state.endpoints.ready_for(model) and not await unless_disconnected(
                 request.receive, state.dispatcher.hold(model)):
-            return _no_ready_worker(state, model)
+            return _no_ready_worker(state, model, charge)
         released = not state.dispatcher.admit_now(routing) and await unless_disconnected(
             request.receive, state.dispatcher.admit(routing))
     except Rejected as exc:
         state.dispatcher.demand.rejected(model)
         response = openai_error(429, str(exc), "rate_limit_error", code=exc.reason)
         response.headers["Retry-After"] = str(exc.retry_after_s)
-        return _count(state, model, response)
+        return _count(state, model, response, charge=charge)
     except ClientDisconnected:
-        return _count(state, model, Response(status_code=CLIENT_CLOSED))
+        return _count(state, model, Response(status_code=CLIENT_CLOSED), charge=charge)
     try:
-        return await _dispatch(request, state, routing, raw, path, start, released)
+        return await _dispatch(request, state, routing, raw, path, start, released, charge)
     finally:
         if released:  # (normally settled at its lease already; this covers giving up)
             state.dispatcher.settled(model)
 
 
 async def _dispatch(request: Request, state: RouterState, routing: RoutingRequest, raw: bytes,
-                    path: str, start: float, released: bool) -> Response:
+                    path: str, start: float, released: bool, charge: Charge | None) -> Response:
     """Send to the policy's pick; on a worker that took nothing, the next candidate.
     ``released``: the request came out of the admission queue (settle it once leased)."""
     model = routing.model
-    headers = _forward_headers(request)
+    headers = forward_headers(request, state.keys)
     tried: set[str] = set()
     refused_by_all, retried = True, False
     while candidates := [e for e in state.endpoints.ready_for(model) if e.url not in tried]:
         endpoint, prediction = await state.dispatcher.choose(candidates, routing)
-        exchange = _Exchange(state, routing, endpoint, start, prediction)
+        exchange = Exchange(state, routing, endpoint, start, prediction, charge)
         if released:  # its load is visible now: the queue may release the next one
             state.dispatcher.settled(model)
             released = False
         try:
-            return await _forward(request, state, endpoint, path, raw, headers, exchange)
-        except _TryElsewhere as exc:
-            state.endpoints.mark_down(endpoint, str(exc))
+            return await forward(request, state, endpoint, path, raw, headers, exchange)
+        except TryElsewhere as exc:
+            if exc.kind is not None:
+                state.endpoints.eject(endpoint, exc.kind, str(exc))
+            else:  # it answered 503 (loading, draining), or was ejected already
+                state.endpoints.mark_down(endpoint, str(exc))
             tried.add(endpoint.url)
             refused_by_all &= exc.refused
             if exc.sent:  # the worker may have started on it: one more try, no more
                 if retried:
                     return _count(state, model, openai_error(
                         502, f"two workers failed before answering: {exc}", "server_error",
-                        code="upstream_error"))
+                        code="upstream_error"), charge=charge)
                 retried = True
                 state.metrics.retries.inc()
     if tried and refused_by_all:
         return _count(state, model, openai_error(
             502, f"could not connect to any worker serving `{model}`", "server_error",
-            code="upstream_unreachable"))
-    return _no_ready_worker(state, model)
+            code="upstream_unreachable"), charge=charge)
+    return _no_ready_worker(state, model, charge)
 
 
-def _no_ready_worker(state: RouterState, model: str) -> Response:
+def _no_ready_worker(state: RouterState, model: str, charge: Charge | None = None) -> Response:
     """503 + ``Retry-After``: no replica of ``model`` is ready (after any hold)."""
     state.dispatcher.demand.rejected(model)
     response = openai_error(503, f"no ready worker serves `{model}`; retry shortly",
                             "server_error", code="no_ready_worker")
     response.headers["Retry-After"] = str(NO_WORKER_RETRY_AFTER_S)
-    return _count(state, model, response)
+    return _count(state, model, response, charge=charge)
+
+
+def _tenant(state: RouterState, request: Request, now: float) -> Tenant | None:
+    """The API-key tenant of ``request``; None when the router has no key file.
+
+    Raises:
+        Unauthorized: keys are required and this request has no known one.
+    """
+    if state.keys is None:
+        return None
+    if state.keys.refresh(now):
+        state.tenants.update(state.keys.tenants, now)
+    return state.keys.tenant_for(request.headers.get("authorization"))
+
+
+def _charge(state: RouterState, tenant: Tenant, body: dict[str, Any], now: float) -> Charge:
+    """Take one request and its estimated tokens from ``tenant``'s limits.
+
+    Raises:
+        RateLimited: over its RPM or TPM.
+    """
+    tokens, prompt = estimate_tokens(body, state.endpoints.context_tokens(body["model"]))
+    return state.tenants.charge(tenant, tokens, now, prompt_tokens=prompt)
+
+
+def _unauthorized(exc: Unauthorized) -> Response:
+    response = openai_error(401, str(exc), "invalid_request_error", code=exc.code)
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+def _too_large(limit: int) -> Response:
+    response = openai_error(413, f"the request body is larger than {limit} bytes (the "
+                            "router's --max-body-bytes)", "invalid_request_error",
+                            code="request_too_large")
+    response.headers["Connection"] = "close"  # the rest of the body is not read
+    return response
 
 
 def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response | None]:
@@ -307,144 +299,17 @@ def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response
                             "invalid_request_error", "model", "model_not_found")
 
 
-class _TryElsewhere(Exception):
-    """The worker did not answer this request.
-
-    Attributes:
-        refused: no connection was made (nothing was sent).
-        sent: the request was sent, then the connection died before any byte came back.
-        (Neither: the worker answered 503, loading or draining.)
-    """
-
-    def __init__(self, message: str, refused: bool, sent: bool = False):
-        super().__init__(message)
-        self.refused = refused
-        self.sent = sent
-
-
-# the connection died under a request: it may be resent elsewhere if nothing came back yet
-_BROKEN = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
-_TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
-
-
-async def _forward(request: Request, state: RouterState, endpoint: Endpoint, path: str,
-                   raw: bytes, headers: dict[str, str], exchange: _Exchange) -> Response:
-    """Send to ``endpoint`` and return its answer (streamed when it is an event stream).
-
-    The first body chunk (or the whole body of a plain answer) is awaited here, within
-    ``first_byte_timeout``, so a worker that dies before answering can still be replaced.
-
-    Raises:
-        _TryElsewhere: no connection, a 503, or a connection that broke before any byte;
-            the exchange is released uncounted.
-    """
-    streaming = False
-    upstream: aiohttp.ClientResponse | None = None
-
-    async def first_byte() -> tuple[aiohttp.ClientResponse, bytes | None,
-                                    AsyncIterator[bytes] | None]:
-        nonlocal upstream
-        upstream = await state.session.post(endpoint.url + path, data=raw, headers=headers)
-        exchange.on_headers(upstream.status, upstream.headers)
-        if upstream.status == 503:
-            return upstream, None, None
-        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return upstream, await upstream.read(), None
-        chunks = upstream.content.iter_any()
-        return upstream, await anext(chunks, b""), chunks
-
-    try:
-        upstream, content, rest = await unless_disconnected(
-            request.receive, _within(state.config.first_byte_timeout, first_byte()))
-        if upstream.status == 503:
-            exchange.on_complete(counted=False)
-            raise _TryElsewhere("answered 503", refused=False)
-        out_headers = _response_headers(upstream)
-        if rest is not None:
-            streaming = True
-            return RelayResponse(_relay(upstream, rest, exchange, content or b""),
-                                 upstream.status, out_headers,
-                                 on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED))
-        return Response(content, upstream.status, out_headers)
-    except ClientDisconnected:
-        logger.info("client left; closed the request to %s", endpoint.url)
-        exchange.status = CLIENT_CLOSED
-        return Response(status_code=CLIENT_CLOSED)
-    except aiohttp.ClientConnectorError as exc:  # nothing was sent
-        exchange.on_complete(counted=False)
-        raise _TryElsewhere(f"connect failed: {exc}", refused=True) from exc
-    except _TIMEOUTS as exc:
-        exchange.status = 504
-        return openai_error(504, f"worker {endpoint.url} did not answer in time "
-                            f"({type(exc).__name__})", "server_error", code="upstream_timeout")
-    except _BROKEN as exc:  # sent, and the worker died before answering
-        exchange.on_complete(counted=False)
-        raise _TryElsewhere(f"connection lost before the first byte: {type(exc).__name__}",
-                            refused=False, sent=True) from exc
-    except aiohttp.ClientError as exc:
-        state.endpoints.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
-        exchange.status = 502
-        return openai_error(502, f"worker {endpoint.url} failed: {type(exc).__name__}",
-                            "server_error", code="upstream_error")
-    finally:
-        if not streaming:
-            if upstream is not None:
-                _close(upstream)
-            exchange.on_complete()
-
-
-async def _within(seconds: float, work: Awaitable[T]) -> T:
-    async with asyncio.timeout(seconds):  # no extra task, unlike wait_for
-        return await work
-
-
-def _close(upstream: aiohttp.ClientResponse) -> None:
-    """Give the connection back when the answer was read to its end; otherwise close it, so
-    the worker sees the client leave and aborts the request."""
-    if upstream.content.at_eof():
-        upstream.release()
-    else:
-        upstream.close()
-
-
-async def _relay(upstream: aiohttp.ClientResponse, rest: AsyncIterator[bytes],
-                 exchange: _Exchange, first: bytes) -> AsyncIterator[bytes]:
-    """Yield ``first``, then the rest of the worker's bytes as they arrive; close the
-    upstream response when done, failed, or closed early (client gone)."""
-    try:
-        if first:
-            exchange.on_chunk(first)
-            yield first
-        async for chunk in rest:
-            exchange.on_chunk(chunk)
-            yield chunk
-    except (aiohttp.ClientError, *_TIMEOUTS) as exc:  # headers are sent: an error event
-        logger.warning("stream from %s broke: %s: %s", exchange.endpoint.url,
-                       type(exc).__name__, exc)
-        if not isinstance(exc, _TIMEOUTS):
-            exchange.state.endpoints.mark_down(exchange.endpoint, "its stream broke")
-        error = {"error": {"message": f"the worker stream broke: {type(exc).__name__}",
-                           "type": "server_error", "param": None, "code": "upstream_error"}}
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        _close(upstream)
-        exchange.on_complete()
-
-
-def _forward_headers(request: Request) -> dict[str, str]:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST_HEADERS}
-    headers.setdefault("accept-encoding", "identity")  # we relay bytes; don't invite gzip
-    return headers
-
-
-def _response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
-
-
-def _count(state: RouterState, model: str | None, response: Response) -> Response:
-    """Count a request answered by the router itself. Unknown names are not used as label
-    values (clients choose them: unbounded), they count as ``model=""``."""
-    state.metrics.requests.labels(model or "", str(response.status_code)).inc()
+def _count(state: RouterState, model: str | None, response: Response,
+           tenant: Tenant | None = None, charge: Charge | None = None) -> Response:
+    """Count a request answered by the router itself (and for its tenant: a ``charge`` is
+    settled unserved, refunding its tokens). Unknown names are not used as label values
+    (clients choose them: unbounded), they count as ``model=""``."""
+    status = response.status_code
+    state.metrics.requests.labels(model or "", str(status)).inc()
+    if charge is not None:
+        charge.settle(status, None, time.monotonic(), served=False)
+    elif tenant is not None:
+        state.tenants.count(tenant, status)
     return response
 
 
@@ -458,10 +323,14 @@ def create_app(config: RouterConfig) -> FastAPI:
     Raises:
         ValueError: unknown policy or discovery name, or a bad setting.
         kubernetes.config.ConfigException: Kubernetes discovery without a usable kubeconfig.
+        OSError, KeyFileError: the API key file cannot be read or is malformed.
     """
     Dispatcher(EndpointSet(), config.dispatch, RouterMetrics())  # fail before serving
     if config.discovery not in DISCOVERY:
         raise ValueError(f"unknown discovery {config.discovery!r}; known: {', '.join(DISCOVERY)}")
+    if config.max_body_bytes < 1 or not 0 < config.keepalive_timeout:
+        raise ValueError("max_body_bytes must be ≥ 1 and keepalive_timeout > 0")
+    keys = KeyRing(config.api_keys, time.monotonic()) if config.api_keys else None
     kube_client = discovery.api_client(config.kubeconfig) if config.discovery == "kubernetes" \
         else None
 
@@ -472,18 +341,26 @@ def create_app(config: RouterConfig) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         proxy_timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout,
                                               sock_read=config.read_timeout)
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=config.keepalive_timeout)
+        reuse = aiohttp.TraceConfig()  # tells proxy.post when a request got a kept-alive connection
+        reuse.on_connection_reuseconn.append(note_reuse)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client, \
                 aiohttp.ClientSession(connector=connector, timeout=proxy_timeout,
-                                      auto_decompress=False, trust_env=False) as session:
+                                      auto_decompress=False, trust_env=False,
+                                      trace_configs=[reuse]) as session:
             endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval,
                                     workers_file=config.workers_file)
             metrics = RouterMetrics()
             dispatcher = Dispatcher(endpoints, config.dispatch, metrics)
             metrics.registry.register(DemandCollector(dispatcher.demand_snapshot))
             endpoints.on_polled = dispatcher.tick
+            endpoints.on_ejected = lambda reason: metrics.ejections.labels(reason).inc()
+            tenants = TenantLimits()
+            if keys is not None:
+                tenants.update(keys.tenants, time.monotonic())
+                metrics.registry.register(TenantCollector(tenants))
             app.state.router = RouterState(config, endpoints, dispatcher, metrics, client,
-                                           session)
+                                           session, keys, tenants)
             watcher = None
             if kube_client is not None:
                 watcher = discovery.KubernetesDiscovery(endpoints, config.namespace, kube_client,
@@ -518,8 +395,13 @@ def create_app(config: RouterConfig) -> FastAPI:
         return await route_request(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": request.app.state.router.endpoints.model_entries()}
+    async def models(request: Request) -> Response:
+        state: RouterState = request.app.state.router
+        try:
+            _tenant(state, request, time.monotonic())
+        except Unauthorized as exc:
+            return _unauthorized(exc)
+        return JSONResponse({"object": "list", "data": state.endpoints.model_entries()})
 
     @app.get("/autoscale/demand")
     async def autoscale_demand(request: Request) -> dict[str, Any]:
@@ -601,6 +483,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds allowed between stream chunks (default: %(default)s)")
     parser.add_argument("--poll-interval", type=float, default=1.0,
                         help="seconds between health polls of each worker")
+    parser.add_argument("--keepalive-timeout", type=float, default=KEEPALIVE_S,
+                        help="seconds an idle worker connection is kept for reuse; keep it below "
+                        "the workers' own idle timeout (uvicorn: 5 s) (default: %(default)s)")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                        help="largest request body accepted; beyond it: 413, found while "
+                        "reading (default: %(default)s, 16 MiB)")
+    parser.add_argument("--max-slo-ms", type=float, default=defaults.max_slo_ms,
+                        help="loosest objective an x-slo-ttft-ms or x-slo-itl-ms header may ask "
+                        "for; beyond it: 400 (default: %(default)s)")
+    parser.add_argument("--public-priority", type=int, default=defaults.public_priority,
+                        help="most urgent priority (x-priority or the body's priority; lower is "
+                        "served first) a request may ask for unless its API-key tenant allows "
+                        "more; beyond it: 403 (default: %(default)s)")
+    parser.add_argument("--api-keys", default=None, metavar="FILE",
+                        help="require Authorization: Bearer KEY on /v1 routes, with the keys, "
+                        "tenants, priority ceilings and RPM/TPM limits of this YAML or JSON file "
+                        "(a mounted Secret works); re-read when it changes")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -615,18 +514,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.discovery == "static" and not args.worker:
         logger.warning("no --worker given: every request will get 503")
+    if args.api_keys:
+        try:
+            KeyRing(args.api_keys, 0.0)
+        except (OSError, KeyFileError) as exc:
+            logger.error("--api-keys %s: %s", args.api_keys, exc)
+            return 2
     namespace = args.namespace or discovery.default_namespace()
-    dispatch = DispatchSettings(
-        policy=args.policy, load_factor=args.load_factor, slo_ttft_ms=args.slo_ttft_ms or None,
-        slo_itl_ms=args.slo_itl_ms or None, max_queue=args.max_queue,
-        queue_timeout=args.queue_timeout, prefix_key_chars=args.prefix_key_chars,
-        hold_s=args.hold_timeout)
+    try:
+        dispatch = DispatchSettings(
+            policy=args.policy, load_factor=args.load_factor,
+            slo_ttft_ms=args.slo_ttft_ms or None, slo_itl_ms=args.slo_itl_ms or None,
+            max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+            prefix_key_chars=args.prefix_key_chars, hold_s=args.hold_timeout,
+            max_slo_ms=args.max_slo_ms, public_priority=args.public_priority)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     config = RouterConfig(workers=args.worker, discovery=args.discovery,
                           workers_file=args.workers_file, namespace=namespace,
                           kubeconfig=args.kubeconfig, dispatch=dispatch,
                           connect_timeout=args.connect_timeout,
                           first_byte_timeout=args.first_byte_timeout,
-                          read_timeout=args.read_timeout, poll_interval=args.poll_interval)
+                          read_timeout=args.read_timeout, poll_interval=args.poll_interval,
+                          max_body_bytes=args.max_body_bytes,
+                          keepalive_timeout=args.keepalive_timeout, api_keys=args.api_keys)
     if kubernetes:
         from kubernetes.config import ConfigException
         try:

@@ -31,6 +31,7 @@ from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES,
                                   predict_all)
 from sluice.router.predictor import ErrorTracker, itl_features
 from sluice.router.prefix import KEY_CHARS, PrefixIndex, shape
+from sluice.router.tenants import PRIORITY_LIMIT
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +43,18 @@ RELEASE_HOLD_S = 1.0  # a released request that never settles blocks its queue t
 
 
 class BadRoutingHeader(ValueError):
-    """An ``x-slo-*`` or ``x-priority`` header (or the body's ``priority``) is malformed.
+    """An ``x-slo-*`` or ``x-priority`` header (or the body's ``priority``) is malformed or
+    out of bounds (400), or asks for a priority its sender may not use (403).
 
     Attributes:
         param: the header or field name.
+        status: 400, or 403 for a priority above the sender's ceiling.
     """
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 @dataclass
@@ -68,6 +72,10 @@ class DispatchSettings:
         prefix_key_chars: characters of the prompt that make the prefix key.
         hold_s: seconds a request for a served model with no ready replica waits for one
             (scale from zero) before 503, unless its InferenceService sets its own; 0: none.
+        max_slo_ms: the loosest objective an ``x-slo-*`` header may ask for (400 beyond): a
+            looser one would pass the admission gate whatever the load.
+        public_priority: the most urgent (lowest) priority a request may ask for unless its
+            API-key tenant is allowed more (``sluice.router.tenants``); 403 beyond.
     """
 
     policy: str = DEFAULT_POLICY
@@ -78,27 +86,44 @@ class DispatchSettings:
     queue_timeout: float = 60.0
     prefix_key_chars: int = KEY_CHARS
     hold_s: float = 0.0
+    max_slo_ms: float = 60_000.0
+    public_priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.max_slo_ms > 0 and math.isfinite(self.max_slo_ms)):
+            raise ValueError("max_slo_ms must be a number > 0")
+        if abs(self.public_priority) > PRIORITY_LIMIT:
+            raise ValueError(f"public_priority must be from {-PRIORITY_LIMIT} to "
+                             f"{PRIORITY_LIMIT}")
 
 
-def _positive_ms(value: Any, param: str) -> float:
+def _positive_ms(value: Any, param: str, most: float) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise BadRoutingHeader(param, f"{param} must be a number of milliseconds") from None
-    if not (number > 0 and math.isfinite(number)):
-        raise BadRoutingHeader(param, f"{param} must be > 0")
+    if not (0 < number <= most):  # NaN fails too
+        raise BadRoutingHeader(param, f"{param} must be > 0 and at most {most:g} "
+                               "(the router's --max-slo-ms)")
     return number
 
 
 def _priority(value: Any, param: str) -> int:
-    if isinstance(value, bool):
-        raise BadRoutingHeader(param, f"{param} must be an integer")
-    try:
+    """An integer priority in [-PRIORITY_LIMIT, PRIORITY_LIMIT]: a header's text, or a JSON
+    integer (or integral number)."""
+    number: Any = None
+    if isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
         number = int(value)
-    except (TypeError, ValueError):
-        raise BadRoutingHeader(param, f"{param} must be an integer") from None
-    if abs(number) > 2**31:
-        raise BadRoutingHeader(param, f"{param} is out of range")
+    if number is None or abs(number) > PRIORITY_LIMIT:
+        raise BadRoutingHeader(param, f"{param} must be an integer from {-PRIORITY_LIMIT} to "
+                               f"{PRIORITY_LIMIT}")
     return number
 
 
@@ -132,31 +157,44 @@ class Dispatcher:
     # ------------------------------------------------------------------ the request's view
 
     def routing_request(self, body: Mapping[str, Any], headers: Mapping[str, str],
-                        arrival: float) -> RoutingRequest:
+                        arrival: float, ceiling: int | None = None) -> RoutingRequest:
         """The routing view of a parsed request.
 
-        Objectives: the ``x-slo-ttft-ms`` / ``x-slo-itl-ms`` headers, else the model's
-        InferenceService ``spec.slo``, else the router's defaults. Priority: ``x-priority``,
-        else the body's ``priority`` (vLLM's field), else 0; lower is served first.
+        Objectives: the ``x-slo-ttft-ms`` / ``x-slo-itl-ms`` headers (at most
+        ``max_slo_ms``), else the model's InferenceService ``spec.slo``, else the router's
+        defaults. Priority: ``x-priority``, else the body's ``priority`` (vLLM's field),
+        else 0 (or ``ceiling`` when that is above 0); lower is served first.
+
+        Args:
+            ceiling: the most urgent priority the sender may ask for (its tenant's
+                ``maxPriority``); None: ``public_priority``.
 
         Raises:
-            BadRoutingHeader: a malformed header or priority.
+            BadRoutingHeader: a malformed or out-of-bounds header or priority (400), or a
+                priority more urgent than ``ceiling`` (403).
         """
         model = body["model"]
         declared = self.endpoints.settings.get(model) or ModelSettings()
         declared_ttft, declared_itl = declared.ttft_ms, declared.itl_ms
         ttft_ms = headers.get(HEADER_TTFT)
         itl_ms = headers.get(HEADER_ITL)
-        ttft = _positive_ms(ttft_ms, HEADER_TTFT) if ttft_ms is not None \
+        most = self.settings.max_slo_ms
+        ttft = _positive_ms(ttft_ms, HEADER_TTFT, most) if ttft_ms is not None \
             else declared_ttft or self.settings.slo_ttft_ms
-        itl = _positive_ms(itl_ms, HEADER_ITL) if itl_ms is not None \
+        itl = _positive_ms(itl_ms, HEADER_ITL, most) if itl_ms is not None \
             else declared_itl or self.settings.slo_itl_ms
-        if headers.get(HEADER_PRIORITY) is not None:
-            priority = _priority(headers[HEADER_PRIORITY], HEADER_PRIORITY)
-        elif body.get("priority") is not None:
-            priority = _priority(body["priority"], "priority")
+        ceiling = self.settings.public_priority if ceiling is None else ceiling
+        param = HEADER_PRIORITY if headers.get(HEADER_PRIORITY) is not None \
+            else "priority" if body.get("priority") is not None else None
+        if param is None:
+            priority = max(0, ceiling)
         else:
-            priority = 0
+            priority = _priority(headers[param] if param == HEADER_PRIORITY else body[param],
+                                 param)
+            if priority < ceiling:
+                raise BadRoutingHeader(param, f"{param} {priority} is more urgent than this "
+                                       f"client may ask for (at most {ceiling}; lower is more "
+                                       "urgent): use an API key whose tenant allows it", 403)
         ttft_s = ttft / 1000.0 if ttft else None
         return RoutingRequest(
             model=model, stream=body.get("stream") is True, body=body,

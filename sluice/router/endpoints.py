@@ -8,9 +8,18 @@ Workers also report their load in ``x-sluice-*`` headers on every generation res
 (``WorkerLoad.from_headers``). In-flight and queued-prefill counts are kept by the router
 itself through ``Lease`` objects, each released exactly once from the proxy's ``finally``.
 
-An endpoint that discovery drops is unlisted at once: no new requests, no more polls. It is
-kept (so its in-flight count stays right if it comes back) until its last request finishes,
-then forgotten.
+An endpoint that discovery drops is unlisted at once: no new requests, no more polls (while
+requests sent there still wait for their first byte it is polled on, so a dead one is still
+found out). It is kept (so its in-flight count stays right if it comes back) until its last
+request finishes, then forgotten.
+
+An endpoint is *ejected* (``EndpointSet.eject``) when it fails: a poll cannot reach it or
+finds it unhealthy for another reason than draining, or a request to it timed out or lost
+its connection. Like ``mark_down`` it gets no new requests until a poll finds it healthy,
+and every request sent there that has had no byte back yet is told to go elsewhere
+(``Endpoint.unanswered``), so none waits out a timeout on a dead worker. A draining worker
+(``/health`` 503 ``{"status": "draining"}``) is only taken out of routing: it finishes what
+it has.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -40,6 +49,14 @@ HEADER_RUNNING = "x-sluice-num-running"
 HEADER_WAITING = "x-sluice-num-waiting"
 HEADER_KV_USAGE = "x-sluice-kv-cache-usage"
 HEADER_QUEUED_PREFILL = "x-sluice-queued-prefill-tokens"
+DRAINING = "draining"  # the worker's /health status while it finishes its requests
+
+
+class Unanswered(Protocol):
+    """A request sent to an endpoint that has had no byte back yet."""
+
+    def eject(self, reason: str) -> None:
+        """The endpoint failed: stop waiting for it and go elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,8 @@ class Endpoint:
         next_poll: ``time.monotonic()`` of the next poll (backs off while unreachable).
         reported: the worker's last load report (headers or scrape), if any.
         latency: the online TTFT/ITL models of this endpoint (``sluice.router.predictor``).
+        unanswered: requests sent here with no byte back yet (each removes itself when its
+            first byte comes or it ends): what an ejection sends elsewhere.
     """
 
     url: str
@@ -147,6 +166,7 @@ class Endpoint:
     next_poll: float = 0.0
     reported: WorkerLoad | None = None
     latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
+    unanswered: set[Unanswered] = field(default_factory=set, repr=False, compare=False)
 
     def summary(self) -> dict[str, Any]:
         return {"url": self.url, "ready": self.ready and self.listed, "listed": self.listed,
@@ -233,6 +253,7 @@ class EndpointSet:
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
         self.on_polled: Callable[[], None] = lambda: None  # e.g. re-check admission queues
+        self.on_ejected: Callable[[str], None] = lambda reason: None  # metrics
         # served model → its InferenceService's objectives and routing (discovery)
         self.settings: dict[str, ModelSettings] = {}
         self.workers_file = workers_file  # file discovery (``sluice up``): re-read on change
@@ -307,6 +328,14 @@ class EndpointSet:
         (so an unknown model is really unknown)."""
         return self._declared is not None or any(e.models_known for e in self)
 
+    def context_tokens(self, model: str) -> int | None:
+        """``model``'s context length (``max_model_len`` in a worker's /v1/models), if known."""
+        for endpoint in self:
+            length = endpoint.models.get(model, {}).get("max_model_len")
+            if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+                return length
+        return None
+
     def any_ready(self) -> bool:
         return any(e.listed and e.ready for e in self)
 
@@ -329,6 +358,18 @@ class EndpointSet:
             logger.warning("worker %s marked not ready: %s", endpoint.url, reason)
         endpoint.ready = False
         endpoint.next_poll = 0.0
+
+    def eject(self, endpoint: Endpoint, kind: str, reason: str) -> None:
+        """``endpoint`` failed (``kind``: unreachable, unhealthy, timeout, broken, refused):
+        ``mark_down``, and send every request waiting there for its first byte elsewhere."""
+        if endpoint.ready or endpoint.unanswered:
+            self.on_ejected(kind)
+        self.mark_down(endpoint, reason)
+        if endpoint.unanswered:
+            logger.warning("worker %s ejected (%s): %d unanswered requests go elsewhere",
+                           endpoint.url, reason, len(endpoint.unanswered))
+        for request in list(endpoint.unanswered):
+            request.eject(reason)
 
     def reload_file(self) -> None:
         """File discovery: when ``workers_file`` changed, ``sync`` to what it lists now.
@@ -361,7 +402,7 @@ class EndpointSet:
             self.reload_file()
         self.prune()
         now = time.monotonic()
-        due = [e for e in self.listed() if e.next_poll <= now]
+        due = [e for e in self if (e.listed or e.unanswered) and e.next_poll <= now]
         await asyncio.gather(*(self._poll_one(client, e) for e in due))
         self.on_polled()
 
@@ -387,12 +428,15 @@ class EndpointSet:
             scrape = await client.get(f"{endpoint.url}/metrics", timeout=self.poll_timeout)
         except httpx.HTTPError as exc:
             endpoint.failures += 1
-            backoff = min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
-            endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             if endpoint.ready or endpoint.failures == 1:
                 logger.warning("worker %s unreachable: %s", endpoint.url, _describe(exc))
-            endpoint.ready = False
+            self.eject(endpoint, "unreachable", f"unreachable: {_describe(exc)}")
+            backoff = min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
+            endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             return
+        if health.status_code != 200 and _health_status(health) != DRAINING:
+            self.eject(endpoint, "unhealthy", f"/health answered {health.status_code} "
+                       f"({_health_status(health) or 'no status'})")
         if not endpoint.listed:  # unlisted while we waited: its state no longer matters
             return
         endpoint.failures = 0
@@ -413,6 +457,15 @@ class EndpointSet:
             logger.info("worker %s is %s (models: %s)", endpoint.url,
                         "ready" if ready else "not ready", ", ".join(sorted(endpoint.models)) or "?")
         endpoint.ready = ready
+
+
+def _health_status(response: httpx.Response) -> str | None:
+    """The ``status`` of a worker's /health body, if it has one."""
+    try:
+        status = response.json().get("status")
+    except (ValueError, AttributeError):
+        return None
+    return status if isinstance(status, str) else None
 
 
 def _describe(exc: Exception) -> str:

@@ -1,7 +1,8 @@
 """The router's Prometheus metrics (names in ``sluice.api.metrics``), one registry per app.
 
 Label values are bounded: ``model`` is only ever a model some worker serves (unknown names
-count as ``""``), ``status`` an HTTP status, ``reason`` one of a fixed few.
+count as ``""``), ``status`` an HTTP status, ``reason`` one of a fixed few, ``tenant`` a
+tenant of the API key file (``sluice.router.tenants``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class RouterMetrics:
                                     registry=reg)
         self.retries = Counter(names.ROUTER_RETRIES, "Requests sent to a second worker after the "
                                "first died before answering.", registry=reg)
+        self.ejections = Counter(names.ROUTER_EJECTIONS, "Workers taken out of routing until a "
+                                 "health poll finds them well, by reason (unreachable, "
+                                 "unhealthy, timeout, broken, refused); their unanswered "
+                                 "requests go elsewhere.", ["reason"], registry=reg)
         self.mape = Gauge(names.ROUTER_TTFT_PREDICTION_MAPE, "Mean absolute percentage error of "
                           "the TTFT predictor over its last 500 predictions (0.2 = 20 %).",
                           registry=reg)

@@ -1,0 +1,165 @@
+"""Bookkeeping of one request sent to one worker endpoint: the lease, the metric hooks, the
+latency observations, the tenant's token charge, and its ejection.
+
+    sent ─▶ waiting() ........ first byte ─▶ answered() ─▶ on_chunk … ─▶ on_complete()
+               │ the endpoint is ejected meanwhile (EndpointSet.eject)
+               ▼
+            eject(): cancels the proxy's wait; absorb_ejection() turns that into
+            "try elsewhere" (the client has had nothing yet, so the request may be resent)
+
+``on_complete`` (idempotent) runs from the proxy's ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
+from sluice.router.policy import Prediction, RoutingRequest
+from sluice.router.tenants import Charge, usage_in
+
+if TYPE_CHECKING:
+    from sluice.router.app import RouterState
+
+
+class Exchange:
+    """One request at one endpoint.
+
+    The first token is the first SSE event after a chat stream's role events (one per
+    choice, sent before any token); for a plain response, the whole body.
+
+    Args:
+        state: the router's state (metrics, dispatcher).
+        routing: the request's routing view.
+        endpoint: where it is sent.
+        start: ``time.monotonic()`` at its arrival at the router.
+        prediction: the policy's prediction for it there.
+        charge: its tenant's charge (settled, with the usage, when it completes), if any.
+    """
+
+    def __init__(self, state: RouterState, routing: RoutingRequest, endpoint: Endpoint,
+                 start: float, prediction: Prediction, charge: Charge | None = None):
+        self.state, self.routing, self.model, self.start = state, routing, routing.model, start
+        self.endpoint, self.prediction, self.charge = endpoint, prediction, charge
+        self.lease = Lease(endpoint, prefill_tokens=prediction.features[3] * 1000.0)
+        self.sent_at = time.monotonic()
+        self.status = 0
+        self.ejected: str | None = None  # why its endpoint was ejected while it waited
+        self._task: asyncio.Task | None = None  # the proxy's task while it waits
+        self._role_events = role_events(routing)
+        self._events = 0
+        self._usage: int | None = None
+        self._first_token_at: float | None = None
+        self._last_chunk: float | None = None
+        self._gaps = 0
+        state.metrics.in_flight.inc()
+        state.dispatcher.dispatched(endpoint, routing)
+        state.dispatcher.demand.started(self.model)
+
+    # ------------------------------------------------------------------ ejection
+
+    def waiting(self) -> None:
+        """The request is on its way: until ``answered``, an ejection of the endpoint
+        cancels the current task (see ``absorb_ejection``)."""
+        self._task = asyncio.current_task()
+        self.endpoint.unanswered.add(self)
+
+    def answered(self) -> None:
+        """Its first byte came (or it ended): an ejection no longer concerns it."""
+        self._task = None
+        self.endpoint.unanswered.discard(self)
+
+    def eject(self, reason: str) -> None:
+        if self._task is not None and self.ejected is None:
+            self.ejected = reason
+            self._task.cancel()
+
+    def absorb_ejection(self) -> bool:
+        """After a CancelledError: True (and the cancellation is consumed) when it was the
+        endpoint's ejection."""
+        if self.ejected is None:
+            return False
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        return True
+
+    # ------------------------------------------------------------------ hooks
+
+    def on_headers(self, status: int, headers: Any) -> None:
+        self.status = status
+        report = WorkerLoad.from_headers(headers, time.monotonic())
+        if report is not None:
+            self.endpoint.reported = report
+
+    def on_body(self, body: bytes) -> None:
+        """A plain (not streamed) answer arrived whole."""
+        if self.charge is not None:
+            self._usage = usage_in(body)
+
+    def on_chunk(self, chunk: bytes) -> None:
+        now = time.monotonic()
+        if self.charge is not None:
+            self._events += chunk.count(b"data: ")
+            self._usage = usage_in(chunk) or self._usage
+        if self._first_token_at is None:
+            if self.charge is None:
+                self._events += chunk.count(b"data: ")
+            if self._events > self._role_events:
+                self._first_token(now)
+        else:
+            self.state.metrics.itl.observe(now - self._last_chunk)
+            self._gaps += 1
+        self._last_chunk = now
+
+    def _first_token(self, now: float) -> None:
+        self._first_token_at = now
+        self.state.metrics.ttft.observe(now - self.start)
+        self.state.dispatcher.demand.first_token(self.model, now - self.start,
+                                                 self.routing.ttft_slo_s)
+        self.lease.first_token()
+        self.state.dispatcher.first_token(self.endpoint, self.prediction, now - self.sent_at,
+                                          self.model)
+
+    def on_complete(self, counted: bool = True) -> None:
+        """Release the endpoint; count the request unless ``counted`` is False (it will be
+        tried elsewhere)."""
+        self.answered()
+        if not self.lease.release():
+            return
+        self.state.metrics.in_flight.dec()
+        gap = None
+        if self._gaps and self._first_token_at is not None and self._last_chunk is not None:
+            gap = (self._last_chunk - self._first_token_at) / self._gaps
+        self.state.dispatcher.finished(self.endpoint, self.prediction, gap, self.model)
+        self.state.dispatcher.demand.finished(self.model, gap if counted else None,
+                                              self.routing.itl_slo_s)
+        if counted:
+            now = time.monotonic()
+            self.state.metrics.e2e.observe(now - self.start)
+            self.state.metrics.requests.labels(self.model, str(self.status)).inc()
+            if self.charge is not None:
+                self.charge.settle(self.status, self._used_tokens(), now)
+
+    def _used_tokens(self) -> float | None:
+        """Tokens the worker used: its usage report; else, for a stream, the prompt estimate
+        plus one token per event (role events and [DONE] aside); else None (the estimate
+        stands), or 0 for an error answer."""
+        if self._usage is not None:
+            return float(self._usage)
+        if self.status >= 400:
+            return 0.0
+        if self._events and self.routing.stream:
+            tokens = max(0, self._events - self._role_events - 1)
+            return self.charge.prompt_tokens + tokens if self.charge is not None else None
+        return None
+
+
+def role_events(routing: RoutingRequest) -> int:
+    """SSE events a chat stream sends before its first token (the role chunks)."""
+    if not routing.stream or "messages" not in routing.body:
+        return 0
+    n = routing.body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1

@@ -1,0 +1,241 @@
+"""The worker side of the proxy path: send one request to one worker endpoint and move its
+answer's bytes back, unbuffered.
+
+``forward`` awaits the first byte (a plain answer: all of it) within the first-byte timeout,
+watching the client and the endpoint meanwhile; what it cannot get from this endpoint it
+reports as ``TryElsewhere`` (nothing sent, a 503, a connection lost before any byte, the
+endpoint ejected), and the caller (``sluice.router.app``) picks another. Streams are relayed
+chunk by chunk; one that breaks after its first byte ends with an SSE error event.
+
+A timeout, a refused or broken connection ejects the endpoint (``EndpointSet.eject``): the
+requests waiting there for their first byte go elsewhere too. A kept-alive connection the
+worker closed just as a request was written is not a failure (``post``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import aiohttp
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from sluice.api.openai import error_body
+from sluice.router.endpoints import Endpoint
+from sluice.router.exchange import Exchange
+from sluice.router.relay import ClientDisconnected, RelayResponse, unless_disconnected
+
+if TYPE_CHECKING:
+    from sluice.router.app import RouterState
+    from sluice.router.tenants import KeyRing
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and ones the HTTP client or server sets itself.
+DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
+                        "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection"}
+DROP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding",
+                         "date", "server"}
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
+
+
+def openai_error(status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None) -> JSONResponse:
+    """An OpenAI error response (the body shape is ``sluice.api.openai.error_body``'s)."""
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+class TryElsewhere(Exception):
+    """The worker did not answer this request.
+
+    Attributes:
+        refused: no connection was made (nothing was sent).
+        sent: the request was sent, then the connection died (or the worker was ejected)
+            before any byte came back.
+        kind: why to eject the worker (``EndpointSet.eject``): ``refused`` or ``broken``;
+            None when it answered 503 (loading or draining) or was ejected already.
+    """
+
+    def __init__(self, message: str, refused: bool, sent: bool = False,
+                 kind: str | None = None):
+        super().__init__(message)
+        self.refused = refused
+        self.sent = sent
+        self.kind = kind
+
+
+# the connection died under a request: it may be resent elsewhere if nothing came back yet
+_BROKEN = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
+_TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
+STALE_RETRIES = 2  # pooled connections found closed under one request, at most
+
+
+async def post(session: aiohttp.ClientSession, url: str, raw: bytes,
+               headers: dict[str, str]) -> aiohttp.ClientResponse:
+    """POST and return once the answer's headers are in.
+
+    A pooled connection the worker closed (its keep-alive ran out) just as the request was
+    written fails before any byte comes back, and the worker never read the request: the
+    request is written again on another connection (``STALE_RETRIES`` times at most), which
+    neither marks the worker down nor uses the request's retry. A new connection that
+    fails is a real failure (``_BROKEN``).
+    """
+    for attempt in range(STALE_RETRIES + 1):
+        pooled = Pooled()
+        try:
+            return await session.post(url, data=raw, headers=headers, trace_request_ctx=pooled)
+        except _BROKEN as exc:
+            if not pooled.reused or attempt == STALE_RETRIES:
+                raise
+            logger.info("a kept-alive connection to %s was closed under a request (%s); "
+                        "writing it again", url, type(exc).__name__)
+    raise AssertionError("unreachable")
+
+
+class Pooled:
+    """``post``'s trace context: did aiohttp hand the request a kept-alive connection?"""
+
+    reused = False
+
+
+async def note_reuse(_session: Any, context: Any, _params: Any) -> None:
+    """An ``aiohttp.TraceConfig`` ``on_connection_reuseconn`` hook (the router's session)."""
+    if isinstance(context.trace_request_ctx, Pooled):
+        context.trace_request_ctx.reused = True
+
+
+async def forward(request: Request, state: RouterState, endpoint: Endpoint, path: str,
+                  raw: bytes, headers: dict[str, str], exchange: Exchange) -> Response:
+    """Send to ``endpoint`` and return its answer (streamed when it is an event stream).
+
+    The first body chunk (or the whole body of a plain answer) is awaited here, within
+    ``first_byte_timeout``, so a worker that dies before answering can still be replaced;
+    so can one that is ejected meanwhile (``EndpointSet.eject``). A timeout ejects it.
+
+    Raises:
+        TryElsewhere: no connection, a 503, a connection that broke before any byte, or
+            the worker ejected; the exchange is released uncounted.
+    """
+    streaming = False
+    upstream: aiohttp.ClientResponse | None = None
+
+    async def first_byte() -> tuple[aiohttp.ClientResponse, bytes | None,
+                                    AsyncIterator[bytes] | None]:
+        nonlocal upstream
+        upstream = await post(state.session, endpoint.url + path, raw, headers)
+        exchange.on_headers(upstream.status, upstream.headers)
+        if upstream.status == 503:
+            return upstream, None, None
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            return upstream, await upstream.read(), None
+        chunks = upstream.content.iter_any()
+        return upstream, await anext(chunks, b""), chunks
+
+    try:
+        exchange.waiting()
+        try:
+            upstream, content, rest = await unless_disconnected(
+                request.receive, _within(state.config.first_byte_timeout, first_byte()))
+        finally:
+            exchange.answered()
+        if upstream.status == 503:
+            exchange.on_complete(counted=False)
+            raise TryElsewhere("answered 503", refused=False)
+        out_headers = response_headers(upstream)
+        if rest is not None:
+            streaming = True
+            return RelayResponse(_relay(upstream, rest, exchange, content or b""),
+                                 upstream.status, out_headers,
+                                 on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED))
+        exchange.on_body(content)
+        return Response(content, upstream.status, out_headers)
+    except asyncio.CancelledError:
+        if not exchange.absorb_ejection():
+            raise
+        exchange.on_complete(counted=False)
+        raise TryElsewhere(f"its worker was ejected ({exchange.ejected})", refused=False,
+                            sent=True) from None
+    except ClientDisconnected:
+        exchange.absorb_ejection()  # (both at once: the client's leaving wins)
+        logger.info("client left; closed the request to %s", endpoint.url)
+        exchange.status = CLIENT_CLOSED
+        return Response(status_code=CLIENT_CLOSED)
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:  # not sent
+        exchange.on_complete(counted=False)
+        raise TryElsewhere(f"connect failed: {exc}", refused=True, kind="refused") from exc
+    except _TIMEOUTS as exc:
+        state.endpoints.eject(endpoint, "timeout", f"no answer in time ({type(exc).__name__})")
+        exchange.status = 504
+        return openai_error(504, f"worker {endpoint.url} did not answer in time "
+                            f"({type(exc).__name__})", "server_error", code="upstream_timeout")
+    except _BROKEN as exc:  # sent, and the worker died before answering
+        exchange.on_complete(counted=False)
+        raise TryElsewhere(f"connection lost before the first byte: {type(exc).__name__}",
+                            refused=False, sent=True, kind="broken") from exc
+    except aiohttp.ClientError as exc:
+        state.endpoints.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
+        exchange.status = 502
+        return openai_error(502, f"worker {endpoint.url} failed: {type(exc).__name__}",
+                            "server_error", code="upstream_error")
+    finally:
+        if not streaming:
+            if upstream is not None:
+                _close(upstream)
+            exchange.on_complete()
+
+
+async def _within(seconds: float, work: Awaitable[T]) -> T:
+    async with asyncio.timeout(seconds):  # no extra task, unlike wait_for
+        return await work
+
+
+def _close(upstream: aiohttp.ClientResponse) -> None:
+    """Give the connection back when the answer was read to its end; otherwise close it, so
+    the worker sees the client leave and aborts the request."""
+    if upstream.content.at_eof():
+        upstream.release()
+    else:
+        upstream.close()
+
+
+async def _relay(upstream: aiohttp.ClientResponse, rest: AsyncIterator[bytes],
+                 exchange: Exchange, first: bytes) -> AsyncIterator[bytes]:
+    """Yield ``first``, then the rest of the worker's bytes as they arrive; close the
+    upstream response when done, failed, or closed early (client gone)."""
+    try:
+        if first:
+            exchange.on_chunk(first)
+            yield first
+        async for chunk in rest:
+            exchange.on_chunk(chunk)
+            yield chunk
+    except (aiohttp.ClientError, *_TIMEOUTS) as exc:  # headers are sent: an error event
+        logger.warning("stream from %s broke: %s: %s", exchange.endpoint.url,
+                       type(exc).__name__, exc)
+        timeout = isinstance(exc, _TIMEOUTS)
+        exchange.state.endpoints.eject(exchange.endpoint, "timeout" if timeout else "broken",
+                                       "its stream timed out" if timeout else "its stream broke")
+        error = {"error": {"message": f"the worker stream broke: {type(exc).__name__}",
+                           "type": "server_error", "param": None, "code": "upstream_error"}}
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        _close(upstream)
+        exchange.on_complete()
+
+
+def forward_headers(request: Request, keys: KeyRing | None) -> dict[str, str]:
+    """The client's headers to send on; its router API key stays here."""
+    drop = DROP_REQUEST_HEADERS if keys is None else DROP_REQUEST_HEADERS | {"authorization"}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
+    headers.setdefault("accept-encoding", "identity")  # we relay bytes; don't invite gzip
+    return headers
+
+
+def response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
