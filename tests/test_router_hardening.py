@@ -33,9 +33,9 @@ from conftest import ROOT, free_port
 from sluice.api import metrics as names
 from sluice.router.app import KEEPALIVE_S, MAX_BODY_BYTES, RouterConfig
 from sluice.router.dispatch import BadRoutingHeader, DispatchSettings
-from sluice.router.tenants import (KeyFileError, KeyRing, RateLimited, Tenant, TenantLimits,
-                                   TokenBucket, Unauthorized, estimate_tokens, parse_key_file,
-                                   usage_in)
+from sluice.router.limits import (RateLimited, TenantLimits, TokenBucket, estimate_tokens,
+                                  usage_in)
+from sluice.router.tenants import KeyFileError, KeyRing, Tenant, Unauthorized, parse_key_file
 from test_router import MODEL, metric, ready_workers, serve_router, wait_until
 from test_router_dispatch import BODY, fleet
 from test_router_resilience import FakeWorker, complete

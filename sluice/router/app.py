@@ -68,8 +68,9 @@ from sluice.router.policy import DEFAULT_POLICY, POLICIES, RoutingRequest
 from sluice.router.proxy import (CLIENT_CLOSED, TryElsewhere, forward, forward_headers,
                                  note_reuse, openai_error)
 from sluice.router.relay import BodyTooLarge, ClientDisconnected, read_body, unless_disconnected
-from sluice.router.tenants import (Charge, KeyFileError, KeyRing, RateLimited, Tenant,
-                                   TenantCollector, TenantLimits, Unauthorized, estimate_tokens)
+from sluice.router.limits import (Charge, RateLimited, TenantCollector, TenantLimits,
+                                  estimate_tokens)
+from sluice.router.tenants import KeyFileError, KeyRing, Tenant, Unauthorized
 
 logger = logging.getLogger(__name__)
 

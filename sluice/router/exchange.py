@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
 from sluice.router.policy import Prediction, RoutingRequest
-from sluice.router.tenants import Charge, usage_in
+from sluice.router.limits import Charge, usage_in
 
 if TYPE_CHECKING:
     from sluice.router.app import RouterState
