@@ -162,6 +162,7 @@ def test_default_objects(helm):
         ("Deployment", "rel-sluice-router", NAMESPACE),
         ("Service", "rel-sluice-router", NAMESPACE),
         ("PodDisruptionBudget", "rel-sluice-router", NAMESPACE),
+        ("NetworkPolicy", "rel-sluice-workers", NAMESPACE),  # test_router_hardening
     ])  # nothing cluster-scoped unless asked
 
 
@@ -401,7 +402,8 @@ def test_router_service_values(helm):
 
 
 def test_router_disabled_renders_no_router_objects(helm):
-    objects = render(helm, "--set", "router.enabled=false")
+    objects = [o for o in render(helm, "--set", "router.enabled=false")
+               if o["kind"] != "NetworkPolicy"]  # the workers' (test_router_hardening)
     assert [o for o in objects if "router" in o["metadata"]["name"]] == []
     assert [o for o in objects if o["metadata"]["labels"]["app.kubernetes.io/component"]
             != "operator"] == []
@@ -409,7 +411,8 @@ def test_router_disabled_renders_no_router_objects(helm):
 
 
 def test_operator_disabled_renders_only_the_router(helm):
-    objects = render(helm, "--set", "operator.enabled=false")
+    objects = [o for o in render(helm, "--set", "operator.enabled=false")
+               if o["kind"] != "NetworkPolicy"]  # the workers' (test_router_hardening)
     assert {o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects} == {"router"}
     assert sorted(o["kind"] for o in objects) == ["Deployment", "PodDisruptionBudget", "Role",
                                                    "RoleBinding", "Service", "ServiceAccount"]

@@ -36,9 +36,16 @@ from sluice.router.dispatch import BadRoutingHeader, DispatchSettings
 from sluice.router.limits import (RateLimited, TenantLimits, TokenBucket, estimate_tokens,
                                   usage_in)
 from sluice.router.tenants import KeyFileError, KeyRing, Tenant, Unauthorized, parse_key_file
+from test_chart import (CHART, KUBE_VERSIONS, NAMESPACE, RELEASE, container, find, helm, one,
+                        parse_cli, render, run_helm)
 from test_router import MODEL, metric, ready_workers, serve_router, wait_until
 from test_router_dispatch import BODY, fleet
 from test_router_resilience import FakeWorker, complete
+
+__all__ = ["helm"]  # test_chart's session fixture (helm), used by the chart tests below
+pytestmark = pytest.mark.filterwarnings(  # kubernetes-validate 1.28 on a newer jsonschema
+    "ignore:jsonschema.RefResolver is deprecated:DeprecationWarning",
+    "ignore:The metaschema specified by \\$schema was not found:DeprecationWarning")
 
 KEY_A, KEY_B, KEY_C, KEY_D = ("sk-team-a-0123456789", "sk-team-b-0123456789",
                               "sk-team-c-0123456789", "sk-team-d-0123456789")
@@ -478,7 +485,8 @@ def test_v1_routes_need_a_key_and_probes_do_not(keyed):
                              headers={"authorization": f"Basic {KEY_A}"},
                              json={"model": MODEL, "messages": []})) == wrong
     assert answer(httpx.get(f"{url}/v1/models", timeout=10)) == missing
-    models = httpx.get(f"{url}/v1/models", timeout=10, headers={"authorization": f"Bearer {KEY_D}"})
+    models = httpx.get(f"{url}/v1/models", timeout=10,
+                       headers={"authorization": f"Bearer {KEY_D}"})
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
     for probe in ("/health", "/livez", "/metrics", "/autoscale/demand"):
         assert httpx.get(f"{url}{probe}", timeout=10).status_code == 200, probe
@@ -660,3 +668,109 @@ def test_a_kept_alive_connection_closed_under_a_request_is_written_again():
         assert metric(url, names.ROUTER_RETRIES) == 0
         assert ready_workers(url) == [w.url]
         assert samples(url, names.ROUTER_EJECTIONS) == {}
+
+
+# ------------------------------------------------------------------ the chart (items 5, 6)
+
+
+def validate(objects: list[dict]) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for version in KUBE_VERSIONS:
+        for obj in objects:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def pod_labels(objects: list[dict], name: str) -> dict[str, str]:
+    return one(objects, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+
+
+def test_workers_accept_connections_only_from_the_router_and_the_operator(helm):
+    from sluice.operator import resources
+
+    objects = render(helm)
+    policy = one(objects, "NetworkPolicy", "rel-sluice-workers")
+    validate([policy])
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= resources.labels("any-service").items()  # every worker pod
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": resources.WORKER_PORT_NAME, "protocol": "TCP"}]
+    router, operator = rule["from"]
+    assert router.keys() == operator.keys() == {"podSelector"}  # this namespace only
+    assert router["podSelector"]["matchLabels"].items() <= \
+        pod_labels(objects, "rel-sluice-router").items()
+    assert operator["podSelector"]["matchLabels"].items() <= \
+        pod_labels(objects, "rel-sluice-operator").items()
+    assert not operator["podSelector"]["matchLabels"].items() <= \
+        pod_labels(objects, "rel-sluice-router").items()  # distinct peers
+
+
+def test_network_policies_per_watched_namespace_and_extra_peers(helm):
+    peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    objects = render(helm, "--set", "operator.watchNamespaces={team-a,sluice-test}",
+                     "--set", "router.enabled=false", "--set-json",
+                     f"networkPolicy.extraFrom=[{json.dumps(peer)}]")
+    policies = {p["metadata"]["namespace"]: p for p in find(objects, "NetworkPolicy")}
+    assert sorted(policies) == [NAMESPACE, "team-a"]
+    validate(list(policies.values()))
+    here = policies[NAMESPACE]["spec"]["ingress"][0]["from"]
+    assert here[0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert here[1:] == [peer]  # no router peer without a router
+    there = policies["team-a"]["spec"]["ingress"][0]["from"][0]
+    assert there["namespaceSelector"] == {"matchLabels": {
+        "kubernetes.io/metadata.name": NAMESPACE}}
+    assert find(render(helm, "--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
+
+
+def test_the_routers_api_keys_come_from_a_secret_mounted_as_a_directory(helm):
+    sha = hashlib.sha256(KEY_B.encode()).hexdigest()
+    tenants = [{"name": "team-a", "keys": [KEY_A], "maxPriority": -10, "rpm": 600},
+               {"name": "team-b", "keySha256": [sha], "tpm": 200000}]
+    api_keys = json.dumps({"enabled": True, "tenants": tenants})
+    objects = render(helm, "--set-json", f"router.apiKeys={api_keys}",
+                     "--set", "router.maxBodyBytes=1048576,router.publicPriority=5")
+    secret = one(objects, "Secret", "rel-sluice-router-api-keys")
+    deployment = one(objects, "Deployment", "rel-sluice-router")
+    validate([secret, deployment])
+    parsed, keys = parse_key_file(yaml.safe_load(secret["stringData"]["keys.yaml"]))
+    assert parsed == {"team-a": Tenant("team-a", -10, 600.0), "team-b": Tenant("team-b", tpm=2e5)}
+    c = container(deployment)
+    args = parse_cli("sluice.router.app", "router", c["args"])
+    assert (args.api_keys, args.max_body_bytes, args.public_priority) == (
+        "/etc/sluice/api-keys/keys.yaml", 1048576, 5)
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount == {"name": "api-keys", "mountPath": "/etc/sluice/api-keys", "readOnly": True}
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"]
+                 if v["name"] == "api-keys"]
+    assert volume["secret"] == {"secretName": "rel-sluice-router-api-keys",
+                                "items": [{"key": "keys.yaml", "path": "keys.yaml"}]}
+
+
+def test_api_keys_from_an_existing_secret_and_defaults(helm):
+    objects = render(helm, "--set", "router.apiKeys.enabled=true",
+                     "--set", "router.apiKeys.existingSecret=team-keys",
+                     "--set", "router.apiKeys.secretKey=tenants.json")
+    assert find(objects, "Secret") == []
+    deployment = one(objects, "Deployment", "rel-sluice-router")
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"]
+                 if v["name"] == "api-keys"]
+    assert volume["secret"]["secretName"] == "team-keys"
+    assert "--api-keys=/etc/sluice/api-keys/tenants.json" in container(deployment)["args"]
+    defaults = parse_cli("sluice.router.app", "router",
+                         container(one(render(helm), "Deployment", "rel-sluice-router"))["args"])
+    assert (defaults.api_keys, defaults.max_body_bytes, defaults.public_priority) == (
+        None, MAX_BODY_BYTES, 0)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (["--set", "router.apiKeys.enabled=true"],
+     "router.apiKeys.enabled needs router.apiKeys.existingSecret or router.apiKeys.tenants"),
+    (["--set", "router.apiKeys.tenants[0].name=a b"], "router.apiKeys.tenants.0.name"),
+    (["--set", "router.apiKeys.tenants[0].name=a,router.apiKeys.tenants[0].rpm=0"],
+     "router.apiKeys.tenants.0.rpm"),
+    (["--set", "router.publicPriority=-2000"], "router.publicPriority"),
+    (["--set", "router.maxBodyBytes=0"], "router.maxBodyBytes"),
+])
+def test_bad_router_security_values_fail_with_a_message(helm, values, message):
+    done = run_helm(helm, "template", RELEASE, str(CHART), *values, check=False)
+    assert done.returncode != 0 and message in done.stderr, done.stderr

@@ -17,8 +17,8 @@ A worker that fails (a poll cannot reach it or finds it unhealthy, a request to 
 or loses its connection) is ejected: every request waiting there for its first byte goes to
 another worker at once, rather than wait out a timeout (``sluice.router.endpoints``). A
 kept-alive connection that the worker closed just as a request was written is not a failure:
-the request is written again on another connection (``sluice.router.proxy.post``); the router's idle keep-alive
-(4 s) stays below the worker's (uvicorn's 5 s), so that is rare.
+the request is written again on another connection (``sluice.router.proxy.post``); the
+router's idle keep-alive (4 s) stays below the worker's (uvicorn's 5 s), so that is rare.
 
 With ``--api-keys FILE`` every /v1 route needs ``Authorization: Bearer KEY``; each key's
 tenant has a priority ceiling and RPM/TPM limits (``sluice.router.tenants``). /health,

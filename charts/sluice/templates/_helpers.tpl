@@ -24,6 +24,11 @@
 {{- printf "%s-router" (include "sluice.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The Secret holding the router's API key file: router.apiKeys.existingSecret, or the chart's own. */}}
+{{- define "sluice.router.apiKeysSecret" -}}
+{{- .Values.router.apiKeys.existingSecret | default (printf "%s-api-keys" (include "sluice.router.fullname" .) | trunc 63 | trimSuffix "-") }}
+{{- end }}
+
 {{/* Labels. Call with (dict "ctx" $ "component" "operator"). */}}
 {{- define "sluice.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "sluice.name" .ctx }}
