@@ -377,3 +377,15 @@ def test_deleting_or_disabling_forgets_the_state():
     world.body["spec"]["autoscaling"]["enabled"] = False
     world.tick()
     assert world.autoscaler.state("team-a", "smol") is None
+
+
+def test_routers_named_by_url_count_too():
+    world = World(autoscaled_isvc())
+    world.kube.pods = []  # `make e2e-local`'s first pass: the router is a local process
+    world.net.routers["127.0.0.1"] = {"models": {}, "workers": []}
+    world.routers.urls = ("http://127.0.0.1:8123",)
+    world.tick()
+    world.net.add("127.0.0.1", arrivals=10)
+    world.tick()
+    assert world.replicas == 2
+    assert [e["reason"] for e in world.kube.events] == ["ScaledUp"]  # no NoRouter

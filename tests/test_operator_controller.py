@@ -338,11 +338,14 @@ def test_autoscaler_flags(monkeypatch):
     assert options.router_namespace is None
     options = operator_main.options_from(parse(
         "-n", "a", "--autoscale-interval", "2", "--metrics-port", "9090", "--metrics-host",
-        "10.0.0.1", "--router-selector", "app=r", "--router-namespace", "routers"))
+        "10.0.0.1", "--router-selector", "app=r", "--router-namespace", "routers",
+        "--router", "http://127.0.0.1:8000/", "--router", "http://10.0.0.2:8000"))
     assert (options.autoscale_interval, options.metrics_port, options.metrics_host,
-            options.router_selector, options.router_namespace) == \
-        (2.0, 9090, "10.0.0.1", "app=r", "routers")
-    for bad in (("--autoscale-interval", "0"), ("--metrics-port", "70000")):
+            options.router_selector, options.router_namespace, options.router_urls) == \
+        (2.0, 9090, "10.0.0.1", "app=r", "routers",
+         ("http://127.0.0.1:8000", "http://10.0.0.2:8000"))
+    for bad in (("--autoscale-interval", "0"), ("--metrics-port", "70000"),
+                ("--router", "127.0.0.1:8000")):
         with pytest.raises(SystemExit):
             parse(*bad)
     env = OperatorOptions.from_env({"SLUICE_AUTOSCALE_INTERVAL": "3", "SLUICE_METRICS_PORT": "9"})

@@ -293,3 +293,27 @@ def test_worker_prestop_drain_waits_until_idle_within_its_bounds(monkeypatch):
         assert 0.2 <= loop.time() - started < 2 and answer.json()["running"] == 1
 
     asyncio.run(go())
+
+
+def test_a_restarted_operator_resumes_the_drain_it_finds():
+    world = two_workers(in_flight={A: 0, B: 0})
+    pod_of(world, "smol-worker-a")["metadata"]["annotations"] = {
+        DRAINING_ANNOTATION: "2026-11-29T09:59:00Z", DELETION_COST_ANNOTATION: "-1000"}
+    kubelet(world, A, False)  # it was drained before the restart
+    world.body["spec"]["replicas"] = 1  # the scale-down the old operator was doing
+
+    async def go() -> None:
+        await world.controller.reconcile(world.body)  # resume
+        task = world.drainer._tasks[KEY]
+        for _ in range(500):
+            if task.done():
+                break
+            replicaset(world)
+            await asyncio.sleep(0)
+        assert task.done()
+
+    asyncio.run(go())
+    assert world.kube.scaled == [("smol-worker", 1)]
+    assert not any(a.get(DRAINING_ANNOTATION) for _, a in world.kube.pod_patches)  # no other
+    assert pod_of(world, "smol-worker-a")["metadata"].get("deletionTimestamp")
+    assert not pod_of(world, "smol-worker-b")["metadata"].get("deletionTimestamp")

@@ -9,7 +9,8 @@
     every --autoscale-interval                  → Autoscaler.tick (autoscaler.py): routers'
                                                   demand → policy → spec.replicas through
                                                   the scale subresource; a lower count is
-                                                  removed by the Drainer (drain.py)
+                                                  removed by the Drainer (drain.py); its
+                                                  metrics on --metrics-port (/metrics)
 
 No deletion handler, daemon or timer, so kopf never puts a finalizer on anything: deleting
 an InferenceService is instant even with the operator down, and the garbage collector
@@ -84,7 +85,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: logg
     memo.options = options
     memo.kube = kube = await Kube.connect(options.request_timeout)
     config = dataclasses.replace(options.config, pdb_api_version=await _pdb_version(kube))
-    routers = Routers(kube, options.router_selector, options.router_namespace)
+    routers = Routers(kube, options.router_selector, options.router_namespace,
+                      urls=options.router_urls)
     memo.controller = Controller(kube, config, probe=options.probe,
                                  drainer=Drainer(kube, routers))
     memo.autoscaler = Autoscaler(kube, memo.controller, routers)

@@ -77,7 +77,11 @@ class Kube:
             config.load_incluster_config()
         else:
             await config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        return cls(client.ApiClient(), timeout)
+        api_client = client.ApiClient()
+        # The API server names a writer that gives no fieldManager after its user agent
+        # (status patches; the scale subresource before 1.22 ignores fieldManager).
+        api_client.user_agent = f"{FIELD_MANAGER}/{_version()}"
+        return cls(api_client, timeout)
 
     async def close(self) -> None:
         await self._client.close()
@@ -180,6 +184,15 @@ class Kube:
         await self._call(self._custom.patch_namespaced_custom_object_status, GROUP, VERSION,
                          namespace, PLURAL, name, {"status": status}, missing_ok=True,
                          _content_type=MERGE)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sluice")
+    except PackageNotFoundError:
+        return "dev"
 
 
 def _message(body: Any) -> str:

@@ -11,6 +11,7 @@ import logging
 import os
 import shlex
 
+from sluice.argtypes import http_url
 from sluice.operator.resources import (
     DEFAULT_WORKER_IMAGE,
     MODEL_CACHE_DEFAULT,
@@ -69,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-namespace", default=None,
                         help="namespace of those router pods (default: each "
                              "InferenceService's own, where the chart's router serves it)")
+    parser.add_argument("--router", action="append", dest="router_urls", default=[],
+                        metavar="URL", type=http_url,
+                        help="a router outside the cluster whose /autoscale/demand counts too, "
+                             "e.g. http://127.0.0.1:8000 (repeatable)")
     parser.add_argument("--metrics-port", type=_port_or_zero, default=0,
                         help="serve the autoscaler's Prometheus metrics (sluice_autoscaler_*) "
                              "on this port at /metrics; 0: off (default: %(default)s)")
@@ -114,7 +119,8 @@ def options_from(args: argparse.Namespace) -> OperatorOptions:
                            autoscale_interval=args.autoscale_interval,
                            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                            router_selector=args.router_selector,
-                           router_namespace=args.router_namespace or None)
+                           router_namespace=args.router_namespace or None,
+                           router_urls=tuple(args.router_urls))
 
 
 def run(args: argparse.Namespace) -> int:

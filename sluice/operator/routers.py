@@ -2,7 +2,8 @@
 
 Router pods are found by label (``--router-selector``, the chart's router labels) in
 ``--router-namespace`` (default: each InferenceService's own namespace, where the chart's
-router serves it). Each is asked directly, by pod IP, with a short timeout:
+router serves it); routers outside the cluster are named by URL (``--router``). Each is
+asked directly, by pod IP or URL, with a short timeout:
 
     GET /autoscale/demand → {"models": {MODEL: {arrivals, rejected, ..., held, queued}}}
     GET /health           → {"workers": [{"url", "ready", "in_flight", ...}]}  (200 or 503)
@@ -50,12 +51,15 @@ class Routers:
         namespace: where they run; None: the InferenceService's namespace.
         http: a client for the pods (no proxy from the environment), or None to make one.
         timeout: seconds for each GET.
+        urls: base URLs of routers that are not pods of the cluster (asked for every
+            namespace: they serve whichever InferenceServices they were started for).
     """
 
     def __init__(self, kube: KubeApi, selector: str = DEFAULT_ROUTER_SELECTOR,
                  namespace: str | None = None, http: httpx.AsyncClient | None = None,
-                 timeout: float = 2.0):
+                 timeout: float = 2.0, urls: tuple[str, ...] = ()):
         self.kube, self.selector, self.namespace = kube, selector, namespace
+        self.urls = tuple(u.rstrip("/") for u in urls)
         self._own_http = http is None
         self._http = http or httpx.AsyncClient(timeout=timeout, trust_env=False)
 
@@ -67,14 +71,15 @@ class Routers:
         return self.namespace or isvc_namespace
 
     async def addresses(self, namespace: str) -> dict[str, str]:
-        """Router pod name → its base URL, for the running, not terminating router pods."""
+        """Router id (pod name, or the URL of a --router) → its base URL, for the running,
+        not terminating router pods and the routers named by URL."""
+        out = {url: url for url in self.urls}
         try:
             pods = await self.kube.list_pods(namespace, self.selector)
         except ApiError as exc:
             logger.warning("cannot list router pods in %s (%s): %s", namespace, self.selector,
                            exc)
-            return {}
-        out = {}
+            return out
         for pod in pods:
             meta, status = pod.get("metadata") or {}, pod.get("status") or {}
             ip = status.get("podIP")

@@ -42,6 +42,7 @@ class OperatorOptions:
         metrics_host: the address they are served on.
         router_selector: label selector of the router pods the autoscaler asks.
         router_namespace: their namespace; None: each InferenceService's own.
+        router_urls: routers outside the cluster, by base URL (asked as well).
     """
 
     config: OperatorConfig = field(default_factory=OperatorConfig)
@@ -55,6 +56,7 @@ class OperatorOptions:
     metrics_host: str = "0.0.0.0"
     router_selector: str = DEFAULT_ROUTER_SELECTOR
     router_namespace: str | None = None
+    router_urls: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorOptions:
