@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -38,9 +39,9 @@ from sluice.router.limits import (RateLimited, TenantLimits, TokenBucket, estima
 from sluice.router.tenants import KeyFileError, KeyRing, Tenant, Unauthorized, parse_key_file
 from test_chart import (CHART, KUBE_VERSIONS, NAMESPACE, RELEASE, container, find, helm, one,
                         parse_cli, render, run_helm)
-from test_router import MODEL, metric, ready_workers, serve_router, wait_until
+from test_router import MODEL, health, metric, ready_workers, serve_router, wait_until
 from test_router_dispatch import BODY, fleet
-from test_router_resilience import FakeWorker, complete
+from test_router_resilience import FakeWorker, complete, start_worker
 
 __all__ = ["helm"]  # test_chart's session fixture (helm), used by the chart tests below
 pytestmark = pytest.mark.filterwarnings(  # kubernetes-validate 1.28 on a newer jsonschema
@@ -651,6 +652,38 @@ def test_a_stream_that_stalls_ejects_its_worker():
         assert events[2] == "data: [DONE]"
         assert ready_workers(url) == []  # until a poll finds it well
         assert samples(url, names.ROUTER_EJECTIONS) == {'{reason="timeout"}': 1.0}
+
+
+@pytest.mark.slow
+def test_a_frozen_real_worker_is_ejected_and_its_requests_move(worker_url, model_path, tmp_path):
+    """A real worker process frozen with SIGSTOP (connections open, nothing answers: a wedged
+    worker) while it holds plain requests: the router's next health poll times out, the
+    worker is ejected, and its requests are answered by the other worker, not left to wait
+    out the first-byte timeout (600 s here; the client gives up after 300 s)."""
+    port = free_port()
+    victim = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "w.log", "wb") as log:
+        proc = start_worker(model_path, port, log)
+        try:
+            assert wait_until(lambda: health(victim) == 200, 180, period=0.5)
+            with serve_router([worker_url, victim], free_port(), "--policy", "round-robin",
+                              "--poll-interval", "0.5", "--first-byte-timeout", "600") as url, \
+                    ThreadPoolExecutor(4) as pool:
+                assert wait_until(lambda: len(ready_workers(url)) == 2, 10)
+                body = {"model": MODEL, "prompt": "Tell me about rivers.", "max_tokens": 96,
+                        "ignore_eos": True}
+                futures = [pool.submit(httpx.post, f"{url}/v1/completions", json=body,
+                                       timeout=300) for _ in range(4)]
+                assert wait_until(lambda: metric(victim, names.NUM_RUNNING) >= 1, 60)
+                os.kill(proc.pid, signal.SIGSTOP)
+                answers = [f.result() for f in futures]
+                assert [r.status_code for r in answers] == [200] * 4
+                assert all(r.json()["usage"]["completion_tokens"] == 96 for r in answers)
+                assert metric(url, names.ROUTER_RETRIES) >= 1
+                assert samples(url, names.ROUTER_EJECTIONS) == {'{reason="unreachable"}': 1.0}
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 # ------------------------------------------------------------------ keep-alive (item 12)
