@@ -245,6 +245,7 @@ class Sluice:
     router_url: str = ""
     processes: dict[str, LocalProcess] = field(default_factory=dict)
     restart_operator: Callable[[], None] = lambda: None
+    operator_metrics_url: Callable[[], str] = lambda: ""  # the autoscaler's /metrics
 
     @property
     def release_selector(self) -> str:
@@ -427,19 +428,24 @@ def _local_processes(system: Sluice, env: dict[str, str]):
     logs.mkdir(exist_ok=True)
     sluice_bin = str(REPO / ".venv" / "bin" / "sluice")
     ns = system.namespace
-    health, router_port = free_port(), free_port()
+    health, router_port, metrics = free_port(), free_port(), free_port()
     penv = {k: v for k, v in env.items() if k.lower() not in
             ("http_proxy", "https_proxy", "all_proxy")}  # everything here is local
     operator = LocalProcess("operator", [
         sluice_bin, "--log-level", "INFO", "operator", "--namespace", ns,
         "--model-cache", f"hostPath:{model_store()}",
-        "--liveness", f"http://127.0.0.1:{health}/healthz"], logs / f"operator-{ns}.log", penv)
+        "--liveness", f"http://127.0.0.1:{health}/healthz",
+        # the router is a local process, not a pod the autoscaler could find by label
+        "--router", f"http://127.0.0.1:{router_port}",
+        "--metrics-port", str(metrics), "--metrics-host", "127.0.0.1"],
+        logs / f"operator-{ns}.log", penv)
     router = LocalProcess("router", [
         sluice_bin, "--log-level", "INFO", "router", "--discovery", "kubernetes",
         "--namespace", ns, "--host", "127.0.0.1", "--port", str(router_port)],
         logs / f"router-{ns}.log", penv)
     system.processes = {"operator": operator, "router": router}
     system.router_url = f"http://127.0.0.1:{router_port}"
+    system.operator_metrics_url = lambda: f"http://127.0.0.1:{metrics}/metrics"
 
     def wait_started(proc: LocalProcess, url: str) -> None:
         def up() -> bool:
@@ -485,7 +491,14 @@ def _chart_deployments(system: Sluice) -> None:
         k.run("rollout", "status", f"deployment/{name}", f"--timeout={READY_TIMEOUT_S}s",
               timeout=READY_TIMEOUT_S + 30)
 
+    def operator_metrics_url() -> str:
+        sel = f"{selector},app.kubernetes.io/component=operator"
+        pods = [p for p in k.get("pods", selector=sel) if not p["metadata"].get(
+            "deletionTimestamp") and (p.get("status") or {}).get("podIP")]
+        return f"http://{pods[0]['status']['podIP']}:9090/metrics" if pods else ""
+
     system.restart_operator = restart_operator
+    system.operator_metrics_url = operator_metrics_url
 
 
 def _router_service(system: Sluice) -> dict:

@@ -142,7 +142,9 @@ def test_schema_rejects_invalid_spec(sluice: Sluice, spec: dict, field: str):
      ["NoSuchModel"], {"model": {"name": "nope", "source": "sluice://SmolLM2-135M-Instruct"}}),
     ("min-over-max", {"minReplicas": 3, "maxReplicas": 2}, ["minReplicas", "maxReplicas"],
      {"maxReplicas": 4}),
-], ids=["unknown-model", "min-over-max"])
+    ("autoscaled-zero", {"minReplicas": 0, "maxReplicas": 2, "autoscaling": {"enabled": True}},
+     ["spec.minReplicas", "spec.autoscaling.scaleToZero"], {"autoscaling": {"enabled": False}}),
+], ids=["unknown-model", "min-over-max", "autoscaled-zero-without-scale-to-zero"])
 def test_invalid_spec_the_schema_cannot_catch_is_a_condition(
         sluice: Sluice, name: str, spec: dict, words: list[str], fix: dict):
     """An InvalidSpec condition, nothing created; fixing the spec recovers (with replicas: 0,
