@@ -86,3 +86,67 @@ def test_aiperf_crosscheck_says_where_aiperf_is_missing(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "aiperf not found" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_autoscale_bench_tiny(tmp_path):
+    result = run_bench("autoscale.py", "--tiny", out=tmp_path / "autoscale.json")
+    assert set(result["configs"]) == {"static-1", "static-2", "autoscale"}
+    assert result["capacity"]["capacity_rps"] > 0 and result["capacity"]["profile"]["steps"]
+    for name, run in result["configs"].items():
+        assert run["requests"] == result["cut"]["requests"] > 0
+        assert run["failed"] == 0 and run["truncated"] == 0, (name, run["errors"])
+        assert 0 <= run["attainment_pct"] <= min(run["ttft_attainment_pct"],
+                                                   run["itl_attainment_pct"]) <= 100
+    static1, static2 = result["configs"]["static-1"], result["configs"]["static-2"]
+    assert static1["mean_replicas"] == pytest.approx(1, abs=0.01)
+    assert static2["mean_replicas"] == pytest.approx(2, abs=0.01)
+    assert static1["scale_events"] == static2["scale_events"] == []
+    assert 1 - 0.01 <= result["configs"]["autoscale"]["mean_replicas"] <= 2 + 0.01
+    assert set(result["targets"]) >= {"attainment_points_vs_static_max",
+                                      "replica_seconds_ratio_vs_static_max", "all_met"}
+    assert (tmp_path / "autoscale.png").stat().st_size > 10_000
+
+
+def test_autoscale_bench_reads_the_supervisors_log_and_builds_valid_manifests():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import autoscale  # noqa: PLC0415  (bench/autoscale.py)
+    from sluice.api.service import parse_manifest
+
+    log = "\n".join([
+        "2026-01-01 10:00:00,000 INFO sluice.local.supervisor: started worker-0 (pid 1): http://a",
+        "[worker-0] 2026-01-01 10:00:05,000 INFO x: started worker-9 (pid 9): http://not-ours",
+        "2026-01-01 10:00:10,000 INFO sluice.local.autoscaler: autoscaler: 1 -> 2 replicas "
+        "(burst; demand 2.00 req/s, capacity 1.00 req/s per replica, 3 queued, 0 held)",
+        "2026-01-01 10:00:10,500 INFO sluice.local.supervisor: started worker-1 (pid 2): http://b",
+        "2026-01-01 10:00:30,000 INFO sluice.local.supervisor: worker-1 stopped",
+        "2026-01-01 10:00:40,000 ERROR sluice.local.supervisor: worker-0 exited with code 1 "
+        "after 40 s; restarting in 1 s",
+        "2026-01-01 10:00:41,000 INFO sluice.local.supervisor: started worker-0 (pid 3): http://a",
+    ])
+    events = autoscale.worker_events(log)
+    t = events[0][0]
+    assert [(round(e - t, 1), n) for e, n in events] == [(0, 1), (10.5, 2), (30, 1), (40, 0),
+                                                         (41, 1)]
+    # 1 worker for [5, 10.5), 2 for [10.5, 30), 1 for [30, 40), 0 for [40, 41), 1 for [41, 50)
+    assert autoscale.integrate(events, t + 5, t + 50) == pytest.approx(5.5 + 39 + 10 + 9)
+    assert autoscale.integrate(events, t - 5, t) == 0
+    (event,) = autoscale.scale_events(log)
+    assert (event["from"], event["to"], event["reason"]) == (1, 2, "burst")
+
+    base = autoscale.yaml.safe_load(autoscale.EXAMPLE.read_text())
+    slo = {"ttftMs": 2000, "itlMs": 300, "percentile": 95}
+    for config in autoscale.CONFIGS:
+        spec = parse_manifest(autoscale.build_manifest(base, config, slo, 0.5, {})).spec
+        assert spec.autoscaling.enabled == (config == "autoscale")
+        assert spec.replicas == {"static-1": 1, "static-2": 2, "autoscale": 1}[config]
+        assert (spec.resources.cpu_threads(), spec.slo.ttft_ms, spec.autoscaling.capacity_rps) \
+            == (1, 2000, 0.5)
+
+    rows = [autoscale.workload.TraceRow(float(i), 1000 + i, 100) for i in range(100)]
+    cut = autoscale.Cut("t", start_s=10, span_s=50, keep=0.5, time_scale=0.5, input_scale=0.1,
+                        max_input=103, max_output=32)
+    kept = autoscale.cut_trace(rows, cut)
+    assert 10 < len(kept) < 40 and kept == autoscale.cut_trace(rows, cut)  # seeded
+    assert all(0 <= r.arrival_s < 25 and r.input_tokens <= 103 and r.output_tokens == 32
+               for r in kept)

@@ -28,7 +28,8 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -93,6 +94,7 @@ class Step:
             over successful requests (ms; None when there is none).
         attainment: fraction of requests that met both objectives (0–1).
         met: every request succeeded and both percentiles are within the objectives.
+        errors: failed requests by error code (``RequestRecord.error_code``).
     """
 
     rate_rps: float
@@ -103,6 +105,7 @@ class Step:
     itl_ms: float | None
     attainment: float
     met: bool
+    errors: dict[str, int] = field(default_factory=dict)
 
 
 def mean_itl_s(record: RequestRecord) -> float | None:
@@ -131,8 +134,10 @@ def judge(rate_rps: float, records: Sequence[RequestRecord], slo: Objectives) ->
     both = sum(all(verdicts(r, slo.ttft_ms, slo.itl_ms)) for r in records)
     met = (bool(records) and len(ok) == len(records) and ttft_p is not None
            and ttft_p <= slo.ttft_ms and (itl_p is None or itl_p <= slo.itl_ms))
+    errors = Counter(r.error_code or "unknown" for r in records if not r.ok)
     return Step(rate_rps, len(records), len(records) - len(ok), report.duration_s(records),
-                ttft_p, itl_p, both / len(records) if records else 0.0, met)
+                ttft_p, itl_p, both / len(records) if records else 0.0, met,
+                dict(sorted(errors.items())))
 
 
 def capacity(steps: Sequence[Step]) -> float:
@@ -188,7 +193,8 @@ def check_server(url: str, model: str, timeout_s: float = 5.0) -> None:
     except (ValueError, AttributeError):
         raise ValueError(f"{url}/v1/models is not an OpenAI model list") from None
     if model not in served:
-        raise ValueError(f"{url} does not serve {model!r} (it serves: {', '.join(served) or 'none'})")
+        raise ValueError(f"{url} does not serve {model!r} (it serves: "
+                         f"{', '.join(map(str, served)) or 'none'})")
 
 
 def step_specs(builder: workload.PromptBuilder, rate_rps: float, args: argparse.Namespace,
@@ -271,7 +277,7 @@ def table(steps: Sequence[Step], slo: Objectives, model: str, url: str):
                  "attainment", "met?"):
         t.add_column(name, justify="right")
     for s in steps:
-        failed = f" ({s.failed} failed)" if s.failed else ""
+        failed = f" ({s.failed} failed: {', '.join(s.errors)})" if s.failed else ""
         t.add_row(f"{s.rate_rps:g}", f"{s.requests}{failed}", _ms(s.ttft_ms), _ms(s.itl_ms),
                   f"{s.attainment:.0%}", "yes" if s.met else "[red]no[/red]")
     return t
