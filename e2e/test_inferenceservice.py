@@ -169,9 +169,12 @@ def test_invalid_spec_the_schema_cannot_catch_is_a_condition(
 
         sluice.kubectl.run("patch", CRD, name, "--type=merge", "-p",
                            json.dumps({"spec": {**fix, "replicas": 0}}))
+        # a refresh from a child's event may show the new spec's status before the
+        # reconcile of that generation finishes: wait for observedGeneration too
         isvc = wait_for(f"{name}: fixed, Ready=False with reason ScaledToZero",
                         lambda: (lambda i: i if condition(i, "Ready").get("reason") ==
-                                 "ScaledToZero" else None)(sluice.isvc(name)),
+                                 "ScaledToZero" and i["status"].get("observedGeneration") ==
+                                 i["metadata"]["generation"] else None)(sluice.isvc(name)),
                         SHORT_TIMEOUT_S, lambda: sluice.state((name,)))
         assert condition(isvc, "Degraded")["status"] == "False", condition(isvc, "Degraded")
         assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
