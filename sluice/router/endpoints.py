@@ -434,9 +434,10 @@ class EndpointSet:
             backoff = min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
             endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             return
-        if health.status_code != 200 and _health_status(health) != DRAINING:
+        status = _health_status(health) if health.status_code != 200 else None
+        if health.status_code != 200 and status != DRAINING:  # draining: it finishes its own
             self.eject(endpoint, "unhealthy", f"/health answered {health.status_code} "
-                       f"({_health_status(health) or 'no status'})")
+                       f"({status or 'no status'})")
         if not endpoint.listed:  # unlisted while we waited: its state no longer matters
             return
         endpoint.failures = 0
