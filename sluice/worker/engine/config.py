@@ -31,6 +31,11 @@ class EngineConfig:
         num_speculative_tokens: k, the most draft tokens verified per step.
         speculative_model: converted folder of the draft model (method "draft").
         speculative_model_quantization: None, or "int8" for the draft model's linears.
+        max_sequences_per_request: the most engine requests one API request may fan out
+            into (prompts × n); the server answers 400 beyond. Default 2048: OpenAI's own
+            caps (n <= 128, 2,048 prompts) multiply to 262,144 sequences, which would hold a
+            worker for minutes; the scheduler shares the batch fairly between requests
+            either way (scheduler.py).
         dtype: "float32" (fast on CPUs without bf16 units) or "bfloat16"/"float16".
         device: "cpu" or "cuda".
 
@@ -52,6 +57,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     speculative_model: str | None = None
     speculative_model_quantization: str | None = None
+    max_sequences_per_request: int = 2048
     dtype: str = "float32"
     device: str = "cpu"
 
@@ -79,5 +85,8 @@ class EngineConfig:
             raise ValueError("speculative_model is needed by, and only by, speculative_method draft")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError("max_sequences_per_request must be >= 1, "
+                             f"got {self.max_sequences_per_request}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -93,11 +93,20 @@ class LLMEngine:
         """
         check_fits(prompt_token_ids, params, self.max_model_len)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request (validated with ``check_request`` first)."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    group: str | None = None) -> None:
+        """Queue a request (validated with ``check_request`` first).
+
+        Args:
+            group: the API request it belongs to (the prompts × n of one request share
+                one), for fair scheduling between requests; default: its own id.
+
+        Raises:
+            ValueError: ``check_request`` refuses it, or the id is already unfinished.
+        """
         self.check_request(prompt_token_ids, params)
         detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, prompt_token_ids, params.stop)
-        self.scheduler.add(Sequence(request_id, prompt_token_ids, params, detok))
+        self.scheduler.add(Sequence(request_id, prompt_token_ids, params, detok, group))
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Drop a request and free its blocks; returns its final output (or [] if unknown)."""
@@ -105,7 +114,7 @@ class LLMEngine:
         if seq is None:
             return []
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        return [seq.take_output()]
+        return [self._output(seq)]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -113,7 +122,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: propose drafts → schedule → run the model → sample or verify →
         append tokens and check stops. Returns outputs of sequences that got tokens or
-        finished."""
+        finished.
+
+        Isolation: an error while one sequence's tokens are sampled, its drafts verified,
+        its logprobs computed or its text detokenized finishes that sequence alone with
+        finish_reason "error" (``RequestOutput.error`` says why) and frees its blocks; the
+        rest of the batch goes on. An error in the batch as a whole (the forward pass)
+        still raises.
+        """
         if self.proposer is not None:
             self._propose()
         scheduled = self.scheduler.schedule()
@@ -137,27 +153,52 @@ class LLMEngine:
             start += n
         logits = self.runner.execute(
             [(seq.step_token_ids(n), seq.num_computed_tokens, seq.block_table) for seq, n in scheduled], rows)
-        self._record_prompt_logprobs(logits, prompt_rows)
-
-        new_tokens = self._choose_tokens(logits, samplers)
-        logprobs = self._token_logprobs(logits, samplers, new_tokens)
+        failed: dict[Sequence, BaseException] = {}
+        self._record_prompt_logprobs(logits, prompt_rows, failed)
+        new_tokens = self._choose_tokens(logits, samplers, failed)
+        logprobs = self._token_logprobs(logits, samplers, new_tokens, failed)
         advance = {seq: n for seq, n in scheduled}
         finished = []
         for seq, _ in samplers:
+            if seq in failed:
+                continue
             tokens, gap = new_tokens[seq], seq.num_tokens - seq.num_computed_tokens
-            for i, token in enumerate(tokens):
-                stopped_by_string = seq.append_token(token, logprobs[seq][i] if seq in logprobs else None)
-                status = self._finish_status(seq, token, stopped_by_string)
-                if status is not None:
-                    finished.append((seq, status))
-                    break
+            try:
+                for i, token in enumerate(tokens):
+                    stopped_by_string = seq.append_token(
+                        token, logprobs[seq][i] if seq in logprobs else None)
+                    status = self._finish_status(seq, token, stopped_by_string)
+                    if status is not None:
+                        finished.append((seq, status))
+                        break
+            except Exception as exc:  # noqa: BLE001 - this sequence's detokenizer or stop rules
+                failed[seq] = exc
+                continue
             # computed K/V: the tokens before this step's samples plus the accepted drafts kept
             advance[seq] = gap + min(i + 1, len(tokens) - 1)
             seq.spec_token_ids = []
-        self.scheduler.on_computed(list(advance.items()))
+        self.scheduler.on_computed([(s, n) for s, n in advance.items() if s not in failed])
         for seq, status in finished:
             self.scheduler.finish(seq, status)
-        return [seq.take_output() for seq, _ in samplers]
+        for seq, exc in failed.items():
+            self._fail(seq, exc)
+        return [self._output(seq) for seq in dict.fromkeys([*(s for s, _ in samplers), *failed])]
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        """Finish ``seq`` alone with an error (its blocks freed); the batch goes on."""
+        logger.error("request %s failed inside an engine step, the others go on: %r",
+                     seq.request_id, exc, exc_info=exc)
+        seq.error = f"{type(exc).__name__}: {exc}"
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """``seq``'s delta; a sequence whose detokenizer fails here fails alone."""
+        if seq.status != SequenceStatus.FINISHED_ERROR:
+            try:
+                return seq.take_output()
+            except Exception as exc:  # noqa: BLE001 - this sequence's detokenizer
+                self._fail(seq, exc)
+        return seq.error_output()
 
     def _propose(self) -> None:
         wanted = [(seq, min(seq.params.max_tokens - seq.num_output_tokens - 1,
@@ -166,32 +207,37 @@ class LLMEngine:
                   if seq.num_computed_tokens == seq.num_tokens - 1]  # decoding
         self.proposer.propose(wanted)
 
-    def _choose_tokens(self, logits: torch.Tensor, samplers) -> dict[Sequence, list[int]]:
+    def _choose_tokens(self, logits: torch.Tensor, samplers, failed) -> dict[Sequence, list[int]]:
         chosen: dict[Sequence, list[int]] = {}
         plain = [(seq, row) for seq, row in samplers if not seq.spec_token_ids]
         if plain:
             tokens = sample(logits[[row for _, row in plain]], [s.params for s, _ in plain],
                             [s.generator for s, _ in plain])
-            chosen.update((seq, [t]) for (seq, _), t in zip(plain, tokens))
+            for (seq, _), token in zip(plain, tokens):
+                if isinstance(token, Exception):
+                    failed[seq] = token
+                else:
+                    chosen[seq] = [token]
         for seq, row in samplers:
             drafts = seq.spec_token_ids
             if drafts:
-                chosen[seq] = verify(logits[row:row + len(drafts) + 1], drafts, seq.params, seq.generator)
+                try:
+                    chosen[seq] = verify(logits[row:row + len(drafts) + 1], drafts, seq.params,
+                                         seq.generator)
+                except Exception as exc:  # noqa: BLE001 - this sequence's parameters
+                    failed[seq] = exc
+                    continue
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += len(chosen[seq]) - 1
         return chosen
 
-    def _token_logprobs(self, logits, samplers, chosen) -> dict[Sequence, list]:
-        items = [(seq, row + i, t) for seq, row in samplers if seq.params.logprobs is not None
+    def _token_logprobs(self, logits, samplers, chosen, failed) -> dict[Sequence, list]:
+        items = [(seq, row + i, t) for seq, row in samplers
+                 if seq.params.logprobs is not None and seq in chosen
                  for i, t in enumerate(chosen[seq])]
-        if not items:
-            return {}
-        lps = logprobs_of(logits[[r for _, r, _ in items]], [t for _, _, t in items],
-                          [seq.params.logprobs for seq, _, _ in items])
-        out: dict[Sequence, list] = {}
-        for (seq, _, _), lp in zip(items, lps):
-            out.setdefault(seq, []).append(lp)
-        return out
+        return _per_sequence(items, failed, lambda batch: logprobs_of(
+            logits[[r for _, r, _ in batch]], [t for _, _, t in batch],
+            [seq.params.logprobs for seq, _, _ in batch]))
 
     def _finish_status(self, seq: Sequence, token: int, stopped_by_string: bool) -> SequenceStatus | None:
         p = seq.params
@@ -202,13 +248,12 @@ class LLMEngine:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def _record_prompt_logprobs(self, logits: torch.Tensor, prompt_rows) -> None:
-        if not prompt_rows:
-            return
-        row_logits = logits[[r for _, r, _ in prompt_rows]]
-        k = [seq.params.prompt_logprobs for seq, _, _ in prompt_rows]
-        for (seq, _, _), lp in zip(prompt_rows, logprobs_of(row_logits, [t for _, _, t in prompt_rows], k)):
-            seq.prompt_logprobs.append(lp)
+    def _record_prompt_logprobs(self, logits: torch.Tensor, prompt_rows, failed) -> None:
+        results = _per_sequence(prompt_rows, failed, lambda batch: logprobs_of(
+            logits[[r for _, r, _ in batch]], [t for _, _, t in batch],
+            [seq.params.prompt_logprobs for seq, _, _ in batch]))
+        for seq, lps in results.items():
+            seq.prompt_logprobs.extend(lps)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Offline batch generation (tests, benchmarks): output token ids per prompt."""
@@ -221,6 +266,32 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.new_token_ids)
         return [results[rid] for rid in ids]
+
+
+def _per_sequence(items: list[tuple], failed: dict, compute) -> dict[Sequence, list]:
+    """Run ``compute`` over ``items`` (tuples whose first element is a Sequence) as one
+    batch and group its results by sequence. If the batch raises, run it again one
+    sequence at a time, so only the sequences whose own items raise land in ``failed``."""
+    if not items:
+        return {}
+    try:
+        results = compute(items)
+    except Exception:  # noqa: BLE001 - find the culprit below
+        results = None
+    out: dict[Sequence, list] = {}
+    if results is not None:
+        for item, result in zip(items, results):
+            out.setdefault(item[0], []).append(result)
+        return out
+    per_seq: dict[Sequence, list[tuple]] = {}
+    for item in items:
+        per_seq.setdefault(item[0], []).append(item)
+    for seq, own in per_seq.items():
+        try:
+            out[seq] = list(compute(own))
+        except Exception as exc:  # noqa: BLE001 - this sequence's parameters
+            failed[seq] = exc
+    return out
 
 
 def _eos_token_ids(model_dir: Path, tokenizer) -> set[int]:

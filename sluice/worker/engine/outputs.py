@@ -33,8 +33,10 @@ class RequestOutput:
         prompt_logprobs: on the first output only, when asked: one entry per prompt token
             (the first is None, having no context).
         finished: True on the last output of the request.
-        finish_reason: "stop" (EOS, stop token or stop string), "length" or "abort"; None
+        finish_reason: "stop" (EOS, stop token or stop string), "length", "abort", or
+            "error" (this request failed inside a step; the others in it went on); None
             until finished.
+        error: with finish_reason "error", what went wrong (the exception, as text).
         num_prompt_tokens: prompt length in tokens.
         num_output_tokens: output tokens so far (cumulative).
     """
@@ -48,3 +50,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finished: bool = False
     finish_reason: str | None = None
+    error: str | None = None

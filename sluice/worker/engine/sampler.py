@@ -9,7 +9,7 @@ from sluice.worker.engine.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+           generators: list[torch.Generator | None]) -> list[int | Exception]:
     """Pick one token per row.
 
     Args:
@@ -18,13 +18,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         generators: per-row RNG (seeded requests) or None for torch's default RNG.
 
     Returns:
-        N token ids: the argmax for temperature 0, else a draw from ``processed_probs``.
+        N token ids: the argmax for a greedy row, else a draw from ``processed_probs``.
+        A row whose own sampling raised holds the exception instead, so that one request's
+        bad parameters fail that request only, not the rest of the batch.
     """
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens: list[int | Exception] = logits.argmax(dim=-1).tolist()
     for row, p in enumerate(params):
         if not p.greedy:
-            probs = processed_probs(logits[row], p)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]))
+            try:
+                probs = processed_probs(logits[row], p)
+                tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]))
+            except Exception as exc:  # noqa: BLE001 - returned: the caller fails that row
+                tokens[row] = exc
     return tokens
 
 

@@ -1,8 +1,34 @@
-"""Per-request sampling parameters (the engine's view; the server validates user input)."""
+"""Per-request sampling parameters (the engine's view; the server validates user input).
+
+Values are normalized the way vLLM's ``SamplingParams.__post_init__`` does, so that no
+finite temperature can make the sampler divide by (an fp32) zero: below ``SAMPLING_EPS`` a
+temperature means greedy, and one below ``MIN_TEMPERATURE`` is raised to it (vLLM's
+``_MAX_TEMP``; vLLM sends the whole ``(0, MIN_TEMPERATURE)`` range there, we send its tiny
+end to greedy, which is what it converges to). ``verify`` is the engine's own last check
+(every engine's ``check_request`` runs it), so a request the API let through by mistake is
+refused before it joins a batch rather than failing inside one.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's _SAMPLING_EPS)
+MIN_TEMPERATURE = 1e-2  # smaller sampling temperatures are raised to this (vLLM's _MAX_TEMP)
+MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's upper bound
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter out of range.
+
+    Attributes:
+        param: the request field at fault (``temperature``, ``top_p``, ...).
+    """
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -11,7 +37,9 @@ class SamplingParams:
 
     Attributes:
         max_tokens: the most output tokens to generate (>= 1).
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. Values
+            below ``SAMPLING_EPS`` become 0, values in ``[SAMPLING_EPS, MIN_TEMPERATURE)``
+            become ``MIN_TEMPERATURE`` (at construction).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 or -1 disables it.
         seed: per-request seed; the same seed and prompt give the same sample.
@@ -33,18 +61,65 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
+    def __post_init__(self) -> None:
+        # NaN compares False everywhere and is left for verify() to refuse
+        if 0.0 < self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        elif SAMPLING_EPS <= self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
+        if self.temperature == 0.0:  # greedy: the other knobs cannot change the argmax
+            self.top_p, self.top_k = 1.0, 0
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+    def verify(self) -> None:
+        """Refuse values no sampler can use (the ranges of vLLM's ``_verify_args``).
+
+        Raises:
+            InvalidSamplingParams: naming the field.
+        """
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.0 <= t <= MAX_TEMPERATURE):
+            raise InvalidSamplingParams(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {t}",
+                "temperature")
+        if 0.0 < t < MIN_TEMPERATURE:  # set after construction, bypassing __post_init__
+            raise InvalidSamplingParams(
+                f"temperature {t} is below {MIN_TEMPERATURE}: use 0 for greedy", "temperature")
+        p = self.top_p
+        if not (isinstance(p, (int, float)) and math.isfinite(p) and 0.0 < p <= 1.0):
+            raise InvalidSamplingParams(f"top_p must be a finite number in (0, 1], got {p}",
+                                        "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidSamplingParams(
+                f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidSamplingParams(f"seed must be in [-2^63, 2^64), got {self.seed}",
+                                        "seed")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise InvalidSamplingParams(f"{name} must be a non-negative integer, got {value}",
+                                            name)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidSamplingParams("stop must be a list of non-empty strings", "stop")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidSamplingParams("stop_token_ids must be non-negative integers",
+                                        "stop_token_ids")
 
 
 def check_fits(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
-    """The request rules every engine shares.
+    """The request rules every engine shares: the sampling parameters (``verify``), then
+    the sizes.
 
     Raises:
+        InvalidSamplingParams: a sampling parameter out of range (names the field).
         ValueError: empty prompt, max_tokens < 1, or prompt + max_tokens over
             ``max_model_len`` (the message says "N input tokens ... maximum context M").
     """
+    params.verify()
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("the prompt is empty")

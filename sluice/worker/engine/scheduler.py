@@ -16,16 +16,30 @@ about as long (Sarathi-Serve, Agrawal et al. 2024, sizes chunks to a step-time b
 When the pool cannot give a running sequence its next block, the most recently admitted
 sequence is preempted: its blocks are freed and it goes back to the front of the waiting
 queue to be recomputed.
+
+Fairness between requests: sequences carry a ``group`` (the API request they belong to: one
+per prompt × n share it). Waiting sequences queue per group (``FairQueue``); admission takes
+first a group with nothing running (oldest first), else the next group in round-robin
+order, so one request's thousands of sequences cannot hold the queue. Round-robin alone
+only helps once slots free up; when the batch is full (``max_num_seqs``) or the pool too
+short for a waiting group that has nothing running, the most recently admitted sequence of
+the group running the most sequences (at least two) is preempted to make room — so a new
+request waits at most a step, even behind one request's long generations. Each such
+preemption moves a slot from a group with two or more to a group with none, so it cannot
+cycle; requests of one sequence each (the usual case) are never preempted for fairness and
+keep first-come-first-served order.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter
 from collections.abc import Iterator
+from itertools import islice
 
 from sluice.worker.engine.block_manager import BlockManager
 from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.fair_queue import FairQueue
 from sluice.worker.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -40,6 +54,12 @@ class Scheduler:
         num_blocks: KV blocks in the pool.
         attention_break_even: context length (tokens) at which a prefill token's attention
             costs as much as its linear layers; None: chunks are not shrunk with context.
+
+    Attributes:
+        waiting: sequences not running (new or preempted), per group.
+        running: sequences holding KV blocks, in admission order (the last one is the first
+            preempted for memory).
+        num_preemptions: preemptions so far (memory and fairness).
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int,
@@ -49,19 +69,29 @@ class Scheduler:
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.attention_break_even = attention_break_even
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FairQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_computed_tokens_total = 0  # tokens run through the model, all steps
+        self._by_id: dict[str, Sequence] = {}  # every unfinished sequence
+        self._running_of: Counter[str] = Counter()  # group -> running sequences (no zeros)
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence.
+
+        Raises:
+            ValueError: its request id is already unfinished here.
+        """
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already running")
+        self._by_id[seq.request_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._by_id)
 
     def request_ids(self) -> Iterator[str]:
-        yield from (s.request_id for s in [*self.running, *self.waiting])
+        yield from list(self._by_id)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Pick this step's work.
@@ -70,6 +100,7 @@ class Scheduler:
             (sequence, num_new_tokens) pairs in batch order; each sequence's block table
             already has room for its new tokens. Sum of num_new_tokens <= the token budget.
         """
+        self._preempt_for_fairness()
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -88,8 +119,8 @@ class Scheduler:
                     i += 1
                     continue
             while not self.block_manager.allocate_slots(seq, n):
-                victim = self.running.pop()
-                self._preempt(victim)
+                victim = self.running[-1]
+                self._preempt(victim, resume_first=True)
                 preempted = True
                 if victim is seq:
                     break
@@ -98,19 +129,57 @@ class Scheduler:
                 budget -= n
                 i += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            group = next(self._starved_groups(), None)
+            if group is None:  # every waiting group runs something: round-robin
+                group = next(self.waiting.groups())
+            seq = self.waiting.peek(group)
             self.block_manager.allocate_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_limit(seq))
             if not self.block_manager.allocate_slots(seq, n):
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.pop(group)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._running_of[seq.group] += 1
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def _starved_groups(self) -> Iterator[str]:
+        """Waiting groups with no running sequence, front of the rotation first. At most
+        ``len(self._running_of)`` groups have one running, so a scan of that many plus
+        ``max_num_seqs`` finds every starved group this step can admit: O(max_num_seqs)."""
+        limit = len(self._running_of) + self.max_num_seqs
+        return (g for g in islice(self.waiting.groups(), limit) if g not in self._running_of)
+
+    def _preempt_for_fairness(self) -> None:
+        """Make room for waiting groups that have nothing running: while the batch is full
+        or the pool cannot hold such a group's first chunk, preempt the latest sequence of
+        the group running the most (if it runs two or more)."""
+        free_slots = self.max_num_seqs - len(self.running)
+        for group in list(islice(self._starved_groups(), self.max_num_seqs)):
+            seq = self.waiting.peek(group)
+            need = self.block_manager.blocks_for(min(seq.num_tokens, self.chunk_limit(seq)))
+            while free_slots <= 0 or self.block_manager.num_free_blocks < need:
+                victim = self._fairness_victim()
+                if victim is None:
+                    return
+                logger.debug("preempting %s of %s for %s", victim.request_id, victim.group,
+                             group)
+                self._preempt(victim, resume_first=False)
+                free_slots += 1
+            free_slots -= 1
+
+    def _fairness_victim(self) -> Sequence | None:
+        """The most recently admitted sequence of the group running the most, if that
+        group runs two or more."""
+        group, count = max(self._running_of.items(), key=lambda item: item[1],
+                           default=(None, 0))
+        if count < 2:
+            return None
+        return next(s for s in reversed(self.running) if s.group == group)
 
     def chunk_limit(self, seq: Sequence) -> int:
         """The most prefill tokens ``seq`` may run this step: the threshold, shrunk by the
@@ -128,22 +197,36 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Mark ``seq`` finished, drop it from the queues and free its blocks at once."""
-        seq.status = status
-        if seq in self.running:
+        """Mark ``seq`` finished, drop it from the queues and free its blocks at once.
+        O(1) for a waiting sequence, O(max_num_seqs) for a running one."""
+        if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+            self._count_down(seq.group)
+        elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+        seq.status = status
         self.block_manager.free(seq)
 
     def find(self, request_id: str) -> Sequence | None:
-        return next((s for s in [*self.running, *self.waiting] if s.request_id == request_id), None)
+        """The unfinished sequence with this id, or None (O(1))."""
+        return self._by_id.get(request_id)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, resume_first: bool) -> None:
         logger.debug("preempting %s (%d tokens) for recompute", seq.request_id, seq.num_tokens)
+        if self.running[-1] is seq:  # the memory path's victim: O(1)
+            self.running.pop()
+        else:
+            self.running.remove(seq)
+        self._count_down(seq.group)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq, resume_first)
         self.num_preemptions += 1
+
+    def _count_down(self, group: str) -> None:
+        self._running_of[group] -= 1
+        if not self._running_of[group]:
+            del self._running_of[group]

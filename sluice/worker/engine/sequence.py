@@ -18,6 +18,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its own processing raised; the rest of the batch went on
 
     @property
     def finished(self) -> bool:
@@ -38,11 +39,16 @@ class Sequence:
         block_table: KV block ids, in order; block i holds tokens [i*bs, (i+1)*bs).
         block_hashes: prefix-cache hashes of the leading full, computed blocks.
         generator: per-request RNG when a seed was given, else None (engine's RNG).
+        group: the API request this sequence belongs to (one per prompt and choice share
+            it); the scheduler shares slots fairly between groups. Defaults to request_id.
+        error: why it finished with FINISHED_ERROR, else None.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer):
+                 detokenizer: IncrementalDetokenizer, group: str | None = None):
         self.request_id = request_id
+        self.group = request_id if group is None else group
+        self.error: str | None = None
         self.params = params
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -83,6 +89,15 @@ class Sequence:
         if logprob is not None:
             self._pending_logprobs.append(logprob)
         return self.detokenizer.add(token_id)
+
+    def error_output(self) -> RequestOutput:
+        """The last output of a sequence that failed (FINISHED_ERROR): no new tokens or
+        text (its detokenizer may be what failed), the error."""
+        return RequestOutput(request_id=self.request_id, new_token_ids=[], new_text="",
+                             num_prompt_tokens=self.num_prompt_tokens,
+                             num_output_tokens=self.num_output_tokens, finished=True,
+                             finish_reason=SequenceStatus.FINISHED_ERROR.value,
+                             error=self.error)
 
     def take_output(self) -> RequestOutput:
         """The delta since the previous call (tokens, safe text, logprobs)."""
