@@ -56,7 +56,7 @@ _ENGINE_FLAGS = ("max_model_len", "block_size", "kv_cache_gib", "max_num_seqs",
                  "max_num_batched_tokens", "long_prefill_token_threshold",
                  "enable_prefix_caching", "quantization",
                  "speculative_method", "num_speculative_tokens", "speculative_model_quantization",
-                 "dtype", "device")
+                 "max_sequences_per_request", "dtype", "device")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-num-tokens", dest="num_speculative_tokens", type=int,
                         default=defaults["num_speculative_tokens"],
                         help="draft tokens verified per step (default: %(default)s)")
+    parser.add_argument("--max-sequences-per-request", type=int,
+                        default=defaults["max_sequences_per_request"],
+                        help="most engine requests (prompts x n) one API request may fan out "
+                             "into; 400 beyond (default: %(default)s)")
     parser.add_argument("--dtype", default=defaults["dtype"],
                         choices=("float32", "bfloat16", "float16"),
                         help="weights and activations dtype (default: %(default)s)")
