@@ -273,17 +273,24 @@ def profile_capacity(worker_url: str, model: str, cut_info: dict, slo: dict, arg
     return json.loads(out.read_text())
 
 
-def replay(url: str, model: str, specs: list[workload.RequestSpec], tok: workload.Tokenizer,
-           replay_s: float) -> tuple[list[RequestRecord], float, float]:
-    """The cut, open loop at its arrival times (after 2 unmeasured warm-up requests);
-    returns the records and the window ``(t0, t1)`` in Unix seconds: from the first arrival
-    to the later of the cut's end and the last completion (waiting out the cut's end)."""
-    warmup = list(itertools.islice(workload.synthetic(
+def warm_up(worker_urls: Sequence[str], model: str, tok: workload.Tokenizer) -> None:
+    """Two short requests to each worker directly, not through the router, so that the
+    autoscaler's demand never sees them."""
+    specs = list(itertools.islice(workload.synthetic(
         workload.PromptBuilder(tok), workload.LengthDist("fixed", 32),
         workload.LengthDist("fixed", 8), seed=1_000_003), 2))
+    for url in worker_urls:
+        asyncio.run(run_load(LoadConfig(url=url, model=model, concurrency=1), specs, tok))
+
+
+def replay(url: str, model: str, specs: list[workload.RequestSpec], tok: workload.Tokenizer,
+           replay_s: float) -> tuple[list[RequestRecord], float, float]:
+    """The cut, open loop at its arrival times; returns the records and the window
+    ``(t0, t1)`` in Unix seconds: from the first arrival to the later of the cut's end and
+    the last completion (waiting out the cut's end)."""
     cfg = LoadConfig(url=url, model=model, concurrency=None, open_loop=True,
                      num_requests=len(specs), request_timeout_s=600.0)
-    result = asyncio.run(run_load(cfg, specs, tok, None, warmup))
+    result = asyncio.run(run_load(cfg, specs, tok))
     if result.interrupted:
         raise KeyboardInterrupt
     t0 = result.started_at
@@ -311,12 +318,13 @@ def run_config(config: str, manifest: dict, specs, tok, model: str, cut: Cut, ar
     up, url = start_up(config, manifest, workdir, args.startup_timeout)
     lap("startup_s")
     try:
+        workers = [m.group(3) for line in up.log.read_text(errors="replace").splitlines()
+                   if (m := STARTED.match(line))]
         profiled = None
         if profile_cb is not None:
-            worker = next(m.group(3) for line in up.log.read_text(errors="replace").splitlines()
-                          if (m := STARTED.match(line)))
-            profiled = profile_cb(worker)
+            profiled = profile_cb(workers[0])
             lap("profile_s")
+        warm_up(workers, model, tok)
         poller = HealthPoller(url)
         poller.start()
         try:
@@ -368,6 +376,10 @@ def summarize(raw: dict, slo: dict) -> dict:
         "scale_events": [{**e, "t_s": e["t_unix"] - t0} for e in scale_events(raw["log"])
                          if t0 - 5 <= e["t_unix"] <= t1],
         "failed": sum(1 for r in records if not r.ok and r.error_code != "incomplete_stream"),
+        "failures": [{"index": r.index, "start_s": r.start_s, "end_s": r.end_s,
+                      "error_code": r.error_code, "error": r.error, "max_tokens": r.max_tokens,
+                      "output_tokens": r.usage_output_tokens}
+                     for r in records if not r.ok or truncated(r)],
         "truncated": sum(1 for r in records if truncated(r)),
         "errors": dict(sorted(Counter(r.error_code for r in records if not r.ok).items())),
         "ttft_ms": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -403,7 +415,7 @@ def verdict(runs: dict) -> dict:
             and clean}
 
 
-def print_table(runs: dict, slo: dict, title: str) -> None:
+def print_table(runs: dict, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -416,7 +428,7 @@ def print_table(runs: dict, slo: dict, title: str) -> None:
         downs = len(r["scale_events"]) - ups
         t.add_row(config, str(r["requests"]), f"{r['attainment_pct']:.1f}%",
                   f"{r['ttft_attainment_pct']:.1f}%", f"{r['itl_attainment_pct']:.1f}%",
-                  f"{_f(r['ttft_ms']['p50'])} / {_f(r['ttft_ms']['p95'])}",
+                  f"{_f(r['ttft_p50_ms'])} / {_f(r['ttft_p95_ms'])}",
                   f"{r['replica_seconds']:.0f}", f"{r['mean_replicas']:.2f}",
                   f"{ups} up, {downs} down", str(r["failed"]), str(r["truncated"]))
     Console(width=max(150, Console().width)).print(t)
@@ -426,47 +438,60 @@ def _f(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def plot(path: Path, runs: dict, slo: dict) -> Path:
-    """One panel per configuration: running and ready workers, arrivals per second (10 s
-    bins) and each request's TTFT (right axis, log) against the objective."""
+def plot(path: Path, rounds: dict[str, list[dict]], slo: dict) -> Path:
+    """One panel per configuration (rows) and round (columns): running and ready workers,
+    arrivals per second (10 s bins) and each request's TTFT (right axis, log) against the
+    objective."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 3.2 * len(runs)), sharex=True)
-    for ax, (config, r) in zip(axes, runs.items()):
-        tl = r["timeline"]
-        span = r["window_s"]
-        start = ([k for t, k in tl["running"] if t <= 0] or [0])[-1]
-        steps = [(0.0, start)] + [(t, k) for t, k in tl["running"] if 0 < t <= span]
-        xs, ys = [t for t, _ in steps] + [span], [k for _, k in steps] + [steps[-1][1]]
-        ax.step(xs, ys, where="post", color="C0", lw=2, label="workers running")
-        if tl["ready"]:
-            ax.plot([t for t, _ in tl["ready"]], [k for _, k in tl["ready"]], color="C2",
-                    lw=1, alpha=0.8, label="ready (router /health)")
-        bins = rate_bins(tl["arrivals_s"], span)
-        ax.step([i * BIN_S for i in range(len(bins) + 1)], bins + bins[-1:], where="post",
-                color="0.5", lw=1, label=f"arrivals (req/s, {BIN_S:.0f} s bins)")
-        ax.set_ylim(0, max(3.0, max(bins) * 1.1))
-        ax.set_ylabel("workers | req/s")
-        ax.set_title(f"{config}: SLO attained {r['attainment_pct']:.1f}%, "
-                     f"{r['replica_seconds']:.0f} replica-s")
-        ax2 = ax.twinx()
-        if tl["ttft"]:
-            ax2.plot([t for t, _ in tl["ttft"]], [v for _, v in tl["ttft"]], ".", color="C3",
-                     ms=3, label="TTFT (ms)")
-        ax2.axhline(slo["ttftMs"], color="C3", ls="--", lw=1, label="TTFT objective")
-        ax2.set_yscale("log")
-        ax2.set_ylabel("TTFT (ms)")
-        lines = ax.get_legend_handles_labels()
-        lines2 = ax2.get_legend_handles_labels()
-        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
-    axes[-1].set_xlabel("seconds from the first arrival")
+    n_rounds = max(len(rs) for rs in rounds.values())
+    fig, axes = plt.subplots(len(rounds), n_rounds, figsize=(10 * n_rounds, 3.2 * len(rounds)),
+                             sharex=True, squeeze=False)
+    for row, (config, runs) in enumerate(rounds.items()):
+        for col, r in enumerate(runs):
+            _panel(axes[row][col], f"{config}" + (f", round {col + 1}" if n_rounds > 1 else ""),
+                   r, slo)
+    for ax in axes[-1]:
+        ax.set_xlabel("seconds from the first arrival")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _panel(ax, name: str, r: dict, slo: dict) -> None:
+    tl = r["timeline"]
+    span = r["window_s"]
+    start = ([k for t, k in tl["running"] if t <= 0] or [0])[-1]
+    steps = [(0.0, start)] + [(t, k) for t, k in tl["running"] if 0 < t <= span]
+    xs, ys = [t for t, _ in steps] + [span], [k for _, k in steps] + [steps[-1][1]]
+    ax.step(xs, ys, where="post", color="C0", lw=2, label="workers running")
+    if tl["ready"]:
+        ax.plot([t for t, _ in tl["ready"]], [k for _, k in tl["ready"]], color="C2", lw=1,
+                alpha=0.8, label="ready (router /health)")
+    bins = rate_bins(tl["arrivals_s"], span)
+    ax.step([i * BIN_S for i in range(len(bins) + 1)], bins + bins[-1:], where="post",
+            color="0.5", lw=1, label=f"arrivals (req/s, {BIN_S:.0f} s bins)")
+    ax.set_ylim(0, max(3.0, max(bins) * 1.1))
+    ax.set_ylabel("workers | req/s")
+    ax.set_title(f"{name}: SLO attained {r['attainment_pct']:.1f}%, "
+                 f"{r['replica_seconds']:.0f} replica-s, load avg "
+                 f"{r['load_avg']['before'][0]:.1f}-{r['load_avg']['after'][0]:.1f}")
+    ax2 = ax.twinx()
+    if tl["ttft"]:
+        ax2.plot([t for t, _ in tl["ttft"]], [v for _, v in tl["ttft"]], ".", color="C3", ms=3,
+                 label="TTFT (ms)")
+    ax2.axhline(slo["ttftMs"], color="C3", ls="--", lw=1, label="TTFT objective")
+    failed = [f["start_s"] for f in r["failures"]]
+    if failed:
+        ax.plot(failed, [0.05] * len(failed), "kx", ms=8, label="failed / truncated")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("TTFT (ms)")
+    lines, lines2 = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=7)
 
 
 # -------------------------------------------------------------------------------- main
@@ -500,6 +525,9 @@ def main() -> int:
     parser.add_argument("--profile-duration", type=float, default=20.0)
     parser.add_argument("--profile-min-requests", type=int, default=10)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the configurations this many times, in alternating order")
+    parser.add_argument("--logs", help="keep each run's `sluice up` output in this folder")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--tiny", action="store_true",
                         help="a ~2-minute smoke run: a 20 s cut, a one-rate profile, short windows")
@@ -530,45 +558,55 @@ def main() -> int:
     specs = list(workload.from_trace(rows, workload.PromptBuilder(tok), seed=args.seed))
 
     capacity = {"source": "--capacity-rps", "capacity_rps": args.capacity_rps}
-    runs, raws = {}, {}
+    rounds: dict[str, list[dict]] = {c: [] for c in args.configs}
     with tempfile.TemporaryDirectory(prefix="bench-autoscale-") as tmp:
         workdir = Path(tmp)
-        for config in args.configs:
-            profile_cb = None
-            if capacity["capacity_rps"] is None:  # profile the first config's worker-0
-                if config == "autoscale":
-                    print("bench/autoscale.py: the autoscaler needs a capacity: run a static "
-                          "configuration first or pass --capacity-rps", file=sys.stderr)
-                    return 2
+        for r in range(args.rounds):  # alternating order: a drift in the machine's load
+            order = args.configs if r % 2 == 0 else args.configs[::-1]  # hits all alike
+            for config in order:
+                profile_cb = None
+                if capacity["capacity_rps"] is None:  # profile the first config's worker-0
+                    if config == "autoscale":
+                        print("bench/autoscale.py: the autoscaler needs a capacity: run a "
+                              "static configuration first or pass --capacity-rps",
+                              file=sys.stderr)
+                        return 2
 
-                def profile_cb(worker_url: str) -> dict:
-                    return profile_capacity(worker_url, args.model, cut_info, slo, args,
-                                            workdir)
-            manifest = build_manifest(base, config, slo, capacity["capacity_rps"] or 1.0, scaling)
-            print(f"\n== {config} ==", flush=True)
-            raw = run_config(config, manifest, specs, tok, args.model, cut, args, workdir,
-                             profile_cb)
-            if raw["profile"] is not None:
-                capacity = _capacity_from(raw["profile"])
-                print(f"capacityRPS for the autoscaler: {capacity['capacity_rps']:g} "
-                      f"({capacity['source']})", flush=True)
-            raws[config] = raw
-            runs[config] = summarize(raw, slo)
-            r = runs[config]
-            print(f"{config}: {r['requests']} requests, SLO attained {r['attainment_pct']:.1f}%, "
-                  f"{r['replica_seconds']:.0f} replica-s, {len(r['scale_events'])} scale "
-                  f"events, {r['failed']} failed, {r['truncated']} truncated", flush=True)
+                    def profile_cb(worker_url: str) -> dict:
+                        return profile_capacity(worker_url, args.model, cut_info, slo, args,
+                                                workdir)
+                manifest = build_manifest(base, config, slo, capacity["capacity_rps"] or 1.0,
+                                          scaling)
+                print(f"\n== {config}, round {r + 1} of {args.rounds} ==", flush=True)
+                raw = run_config(config, manifest, specs, tok, args.model, cut, args, workdir,
+                                 profile_cb)
+                if args.logs:
+                    Path(args.logs).mkdir(parents=True, exist_ok=True)
+                    (Path(args.logs) / f"{config}-r{r + 1}.log").write_text(raw["log"])
+                if raw["profile"] is not None:
+                    capacity = _capacity_from(raw["profile"])
+                    print(f"capacityRPS for the autoscaler: {capacity['capacity_rps']:g} "
+                          f"({capacity['source']})", flush=True)
+                run = summarize(raw, slo)
+                rounds[config].append(run)
+                print(f"{config}: {run['requests']} requests, SLO attained "
+                      f"{run['attainment_pct']:.1f}%, {run['replica_seconds']:.0f} replica-s, "
+                      f"{len(run['scale_events'])} scale events, {run['failed']} failed, "
+                      f"{run['truncated']} truncated, load average "
+                      f"{run['load_avg']['before'][0]:.1f} -> {run['load_avg']['after'][0]:.1f}",
+                      flush=True)
+    runs = {config: aggregate(rs) for config, rs in rounds.items()}
 
     title = (f"bench/autoscale.py: {cut_info['requests']} requests from "
              f"{Path(args.trace).name} [{args.start:g}, {args.start + args.span:g}) s, SLO p"
-             f"{slo['percentile']:g} TTFT <= {slo['ttftMs']:g} ms, ITL <= {slo['itlMs']:g} ms")
+             f"{slo['percentile']:g} TTFT <= {slo['ttftMs']:g} ms, ITL <= {slo['itlMs']:g} ms"
+             + (f", mean of {args.rounds} rounds" if args.rounds > 1 else ""))
     print()
-    print_table(runs, slo, title)
+    print_table(runs, title)
     result = {"model": args.model, "cut": {**vars(cut), **cut_info}, "slo": slo,
               "capacity": capacity, "manifest_autoscaling": build_manifest(
                   base, "autoscale", slo, capacity["capacity_rps"] or 1.0, scaling)["spec"][
-                  "autoscaling"], "tiny": args.tiny, "load_avg": os.getloadavg(),
-              "configs": runs}
+                  "autoscaling"], "tiny": args.tiny, "rounds": args.rounds, "configs": runs}
     if {"autoscale", "static-2"} <= set(runs):
         result["targets"] = verdict(runs)
         v = result["targets"]
@@ -581,10 +619,40 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
-    png = plot(out.with_suffix(".png"), runs, slo)
+    png = plot(out.with_suffix(".png"), rounds, slo)
     print(f"wrote {png}")
     print(f"wrote {out}")
     return 0
+
+
+def aggregate(runs: Sequence[dict]) -> dict:
+    """One configuration over its rounds: means of the rates and costs, sums of the
+    failures, every scale event (with its round); the rounds themselves under ``rounds``."""
+    def mean(key: str) -> float:
+        return sum(r[key] for r in runs) / len(runs)
+
+    errors: Counter = Counter()
+    for r in runs:
+        errors.update(r["errors"])
+    return {
+        "requests": runs[0]["requests"],
+        **{key: mean(key) for key in ("attainment_pct", "ttft_attainment_pct",
+                                      "itl_attainment_pct", "replica_seconds", "mean_replicas",
+                                      "window_s")},
+        "ttft_p50_ms": _mean_of(r["ttft_ms"]["p50"] for r in runs),
+        "ttft_p95_ms": _mean_of(r["ttft_ms"]["p95"] for r in runs),
+        "scale_events": [{**e, "round": i + 1} for i, r in enumerate(runs)
+                         for e in r["scale_events"]],
+        "failed": sum(r["failed"] for r in runs),
+        "truncated": sum(r["truncated"] for r in runs),
+        "errors": dict(sorted(errors.items())),
+        "rounds": list(runs),
+    }
+
+
+def _mean_of(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
 
 
 def _capacity_from(profiled: dict) -> dict:
