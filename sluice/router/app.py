@@ -55,6 +55,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
 from sluice.api.openai import http_error_body
 from sluice.argtypes import http_url, port
 from sluice.logs import quiet_probe_access_logs
@@ -67,7 +68,7 @@ from sluice.router.metrics import DemandCollector, RouterMetrics
 from sluice.router.policy import DEFAULT_POLICY, POLICIES, RoutingRequest
 from sluice.router.proxy import (CLIENT_CLOSED, TryElsewhere, forward, forward_headers,
                                  note_reuse, openai_error)
-from sluice.router.relay import BodyTooLarge, ClientDisconnected, read_body, unless_disconnected
+from sluice.router.relay import ClientDisconnected, unless_disconnected
 from sluice.router.limits import (Charge, RateLimited, TenantCollector, TenantLimits,
                                   estimate_tokens)
 from sluice.router.tenants import KeyFileError, KeyRing, Tenant, Unauthorized
@@ -76,7 +77,6 @@ logger = logging.getLogger(__name__)
 
 DISCOVERY = ("static", "kubernetes", "file")
 NO_WORKER_RETRY_AFTER_S = 5  # a replica may be starting (scale from zero)
-MAX_BODY_BYTES = 16 * 1024 * 1024  # a full context of text is far smaller
 KEEPALIVE_S = 4.0  # below the worker's idle keep-alive (uvicorn's timeout_keep_alive, 5 s)
 
 

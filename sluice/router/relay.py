@@ -1,5 +1,6 @@
-"""ASGI plumbing of the proxy path: read a request body up to a limit, watch the client
-while awaiting the worker, and relay a stream without buffering.
+"""ASGI plumbing of the proxy path: watch the client while awaiting the worker, and relay a
+stream without buffering (the request body is read by sluice.api.body, shared with the
+worker).
 
 Both use one helper task per request that reads the ASGI ``receive`` channel and, on
 ``http.disconnect``, cancels the request's own task (rather than running the work in a
@@ -13,7 +14,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi.responses import Response
-from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
@@ -21,31 +21,6 @@ T = TypeVar("T")
 
 class ClientDisconnected(Exception):
     """The client closed the connection before the answer was complete."""
-
-
-class BodyTooLarge(Exception):
-    """The request body is (or says it will be) longer than the limit."""
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, read as it arrives and given up as soon as it passes ``limit``
-    bytes (or its ``Content-Length`` says it will): an oversized body is never held whole.
-
-    Raises:
-        BodyTooLarge: longer than ``limit`` bytes.
-        starlette.requests.ClientDisconnect: the client left while sending it.
-    """
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class _DisconnectWatch:
