@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 class Exchange:
     """One request at one endpoint.
 
-    The first token is the first SSE event after a chat stream's role events (one per
-    choice, sent before any token); for a plain response, the whole body.
+    The first token is a stream's first chunk (a worker sends nothing before its first
+    token; a chat stream's role events come with it, as vLLM sends them); for a plain
+    response, the whole body.
 
     Args:
         state: the router's state (metrics, dispatcher).
@@ -105,10 +106,7 @@ class Exchange:
             self._events += chunk.count(b"data: ")
             self._usage = usage_in(chunk) or self._usage
         if self._first_token_at is None:
-            if self.charge is None:
-                self._events += chunk.count(b"data: ")
-            if self._events > self._role_events:
-                self._first_token(now)
+            self._first_token(now)
         else:
             self.state.metrics.itl.observe(now - self._last_chunk)
             self._gaps += 1
@@ -158,7 +156,8 @@ class Exchange:
 
 
 def role_events(routing: RoutingRequest) -> int:
-    """SSE events a chat stream sends before its first token (the role chunks)."""
+    """SSE events of a chat stream that carry no token (the role chunks, one per choice,
+    sent with the first token)."""
     if not routing.stream or "messages" not in routing.body:
         return 0
     n = routing.body.get("n")

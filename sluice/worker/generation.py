@@ -6,6 +6,12 @@ request; their deltas are merged and shaped (sluice.api.openai shapers) into SSE
 one JSON response. A client that goes away aborts its engine requests: for streams the
 response generator is closed; for plain responses a watcher on the ASGI ``receive`` channel
 cancels the work.
+
+A stream's first bytes go out with the engine's first output (headers included): a chat
+stream's role chunk with its first token, as vLLM's server sends it. So a request that
+fails before its first token (the engine refused it, or died: ``sluice.worker.health``)
+is answered with an HTTP error a router can retry elsewhere, and a client's time to the
+first event is its time to the first token.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sluice.api import openai as oa
 from sluice.worker.engine.outputs import RequestOutput
 from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.health import EngineDead, EngineWatch
 from sluice.worker.metrics import RequestTimer, WorkerMetrics
 
 logger = logging.getLogger(__name__)
-
 
 
 class Engine(Protocol):
@@ -36,9 +42,10 @@ class Engine(Protocol):
     tokenizer: Any
     max_model_len: int
     model_name: str
+    max_sequences_per_request: int  # prompts × n of one API request, at most (400 beyond)
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]: ...
+                 request_id: str, group: str | None = None) -> AsyncIterator[RequestOutput]: ...
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
     def stats(self) -> Any: ...
     def shutdown(self) -> None: ...
@@ -156,8 +163,10 @@ async def completion_choices(engine: Engine, req: oa.CompletionRequest) -> list[
     ``max_tokens=0`` a choice still runs one engine step but shows no output.
 
     Raises:
-        APIError: 400 for an empty or over-long prompt, bad token ids, or bad max_tokens.
+        APIError: 400 for an empty or over-long prompt, bad token ids, bad max_tokens, or
+            more prompts × n than the engine's ``max_sequences_per_request``.
     """
+    _check_fan_out(engine, req.num_prompts(), req.n or 1)
     prompts = await asyncio.to_thread(_tokenize_prompts, engine.tokenizer, req.prompt,
                                       engine.max_model_len)
     requested, param = req.requested_max_tokens()
@@ -188,9 +197,10 @@ async def chat_choices(engine: Engine, req: oa.ChatCompletionRequest) -> list[Ch
     Renders and tokenizes on a worker thread.
 
     Raises:
-        APIError: 400 for bad messages, an over-long prompt, bad max_tokens or top_logprobs
-            without logprobs.
+        APIError: 400 for bad messages, an over-long prompt, bad max_tokens, top_logprobs
+            without logprobs, or n over the engine's ``max_sequences_per_request``.
     """
+    _check_fan_out(engine, 1, req.n or 1)
     if req.top_logprobs is not None and not req.logprobs:
         raise oa.APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     messages = req.template_messages()
@@ -205,53 +215,74 @@ async def chat_choices(engine: Engine, req: oa.ChatCompletionRequest) -> list[Ch
             for j in range(req.n or 1)]
 
 
+def _check_fan_out(engine: Engine, num_prompts: int, n: int) -> None:
+    """Raise APIError (400 ``too_many_sequences``) beyond the engine's fan-out cap."""
+    limit = getattr(engine, "max_sequences_per_request", None)
+    if limit is not None:
+        oa.check_fan_out(num_prompts, n, limit)
+
+
 def _engine_check(engine: Engine, choices: list[Choice]) -> None:
-    """Let the engine veto requests it could never run (e.g. more KV than its whole pool).
+    """Let the engine veto requests it could never run (e.g. more KV than its whole pool,
+    or sampling values its own validation refuses).
 
     Raises:
-        APIError: 400 (param ``max_tokens``) with the engine's reason.
+        APIError: 400 with the engine's reason, naming the field it names (its
+            ``InvalidSamplingParams.param``), else ``max_tokens``.
     """
     for choice in choices:
         try:
             engine.check_request(choice.view.prompt_ids, choice.params)
         except ValueError as exc:
-            raise oa.APIError(400, str(exc), param="max_tokens") from None
+            param = getattr(exc, "param", None) or "max_tokens"
+            raise oa.APIError(400, str(exc), param=param) from None
 
 
 # --------------------------------------------------------------------------- generation
 
 
-async def _pump(engine: Engine, choice: Choice, request_id: str, timer: RequestTimer,
-                queue: asyncio.Queue) -> None:
+async def _pump(engine: Engine, choice: Choice, request_id: str, group: str,
+                timer: RequestTimer, watch: EngineWatch, queue: asyncio.Queue) -> None:
     """Feed one engine request's deltas into ``queue`` as (index, output), then (index, None).
+
+    ``group`` is the API request's id, shared by its choices (the engine shares its batch
+    fairly between groups).
 
     An engine error is put on the queue as the exception. Cancelling the task leaves the
     engine's generator, which aborts the request and frees its KV blocks.
     """
     index = choice.view.index
+    watch.started()
     try:
-        stream = engine.generate(choice.view.prompt_ids, choice.params, request_id)
+        stream = engine.generate(choice.view.prompt_ids, choice.params, request_id,
+                                 group=group)
         async with aclosing(stream) as outputs:
             async for out in outputs:
+                watch.progressed()
                 timer.observe(out)
                 queue.put_nowait((index, out))
         queue.put_nowait((index, None))
     except Exception as exc:  # noqa: BLE001 - handed to the consumer
         queue.put_nowait(exc)
     finally:
+        watch.ended()
         timer.close()
 
 
-async def _outputs(metrics: WorkerMetrics, engine: Engine, choices: list[Choice],
-                   response_id: str, arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _outputs(metrics: WorkerMetrics, watch: EngineWatch, engine: Engine,
+                   choices: list[Choice], response_id: str, arrival: float
+                   ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run every choice as its own engine request; yield (choice index, delta) as they come.
 
     Raises:
+        EngineDead: the engine's loop died (``watch`` found it).
         Exception: the first engine error (the other requests are aborted).
     """
     queue: asyncio.Queue = asyncio.Queue()
+    watch.subscribe(queue)
     timers = [metrics.track(arrival, len(c.view.prompt_ids)) for c in choices]
-    tasks = [asyncio.create_task(_pump(engine, c, f"{response_id}-{c.view.index}", timer, queue))
+    tasks = [asyncio.create_task(_pump(engine, c, f"{response_id}-{c.view.index}", response_id,
+                                       timer, watch, queue))
              for c, timer in zip(choices, timers)]
     try:
         pending = len(tasks)
@@ -265,6 +296,7 @@ async def _outputs(metrics: WorkerMetrics, engine: Engine, choices: list[Choice]
             else:
                 yield index, out
     finally:
+        watch.unsubscribe(queue)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -279,16 +311,23 @@ async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa
     return shaper.response()
 
 
-async def _sse(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper,
+async def _sse(first: tuple[int, RequestOutput] | None,
+               outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper,
                include_usage: bool) -> AsyncIterator[bytes]:
     """The SSE body: chunks, the usage chunk if asked, then [DONE].
 
+    ``first`` is the first output, taken from ``outputs`` before the response started
+    (None: there was none). The shaper's first chunks (chat: the role of every choice) go
+    out in one write with the first output's chunk, as vLLM sends them: at the first token.
     An engine error becomes an SSE error event followed by [DONE].
     """
     async with aclosing(outputs) as stream:
         try:
-            for chunk in shaper.first_chunks():
-                yield oa.sse(chunk)
+            if first is not None:
+                chunk = shaper.on_output(*first)
+                head = [*shaper.first_chunks(), *([chunk] if chunk is not None else [])]
+                if head:
+                    yield b"".join(map(oa.sse, head))
             async for index, out in stream:
                 chunk = shaper.on_output(index, out)
                 if chunk is not None:
@@ -298,8 +337,24 @@ async def _sse(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Sha
         except Exception as exc:  # noqa: BLE001 - reported in-band: headers are sent
             logger.exception("generation failed inside stream %s", shaper.response_id)
             yield oa.sse(oa.error_body(f"generation failed: {exc}", "server_error",
-                                       code="engine_error"))
+                                       code=_error_code(exc)))
     yield oa.SSE_DONE
+
+
+def _error_code(exc: Exception) -> str:
+    return "engine_dead" if isinstance(exc, EngineDead) else "engine_error"
+
+
+def _generation_failed(exc: Exception, response_id: str) -> oa.APIError:
+    """The HTTP error for a generation that failed before any byte was sent: 503 when the
+    engine died (another worker can serve it), else 500."""
+    if isinstance(exc, EngineDead):
+        logger.error("the engine died under %s", response_id)
+        return oa.APIError(503, f"generation failed: {exc}", code="engine_dead",
+                           type="service_unavailable_error")
+    logger.error("generation failed for %s", response_id, exc_info=exc)
+    return oa.APIError(500, f"generation failed: {exc}", code="engine_error",
+                       type="server_error")
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -347,12 +402,15 @@ async def _unless_disconnected(request: Request, work: Any) -> Any:
 
 async def generate_response(request: Request, metrics: WorkerMetrics, engine: Engine,
                             choices: list[Choice], shaper: oa.Shaper, arrival: float,
-                            stream: bool, include_usage: bool) -> Response:
+                            stream: bool, include_usage: bool,
+                            watch: EngineWatch | None = None) -> Response:
     """Run validated choices and answer as SSE or as one JSON response.
 
-    Every response carries the ``x-sluice-*`` load headers. A stream reports an engine error
-    in-band (an SSE error event, then [DONE]); a client that leaves aborts every choice's
-    engine request, and a plain response then answers 499.
+    Every response carries the ``x-sluice-*`` load headers. A stream starts (headers and
+    first bytes) with the engine's first output; it reports a later engine error in-band (an
+    SSE error event, then [DONE]). An engine error before that is an HTTP error: 503
+    ``engine_dead`` when the engine died, else 500 ``engine_error``. A client that leaves
+    aborts every choice's engine request; the response is then a 499 nobody reads.
 
     Args:
         request: the HTTP request, watched for a client disconnect.
@@ -364,27 +422,42 @@ async def generate_response(request: Request, metrics: WorkerMetrics, engine: En
             TTFT and E2E.
         stream: answer as Server-Sent Events.
         include_usage: (streams) add the usage chunk before [DONE].
+        watch: told of each engine request and output, and tells of a dead engine (a
+            watch of its own when None).
 
     Raises:
         APIError: 400 when the engine could never run a choice (e.g. more KV-cache than its
-            whole pool); 500 ``engine_error`` when generation fails before a plain response.
+            whole pool); 503 ``engine_dead`` or 500 ``engine_error`` when generation fails
+            before a plain response or before a stream's first output.
     """
     _engine_check(engine, choices)
-    outputs = _outputs(metrics, engine, choices, shaper.response_id, arrival)
-    headers = _load_headers(engine, metrics)
-    if stream:
-        return _ClosingStreamingResponse(_sse(outputs, shaper, include_usage),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", **headers})
+    outputs = _outputs(metrics, watch or EngineWatch(), engine, choices, shaper.response_id,
+                       arrival)
+    work = _first(outputs) if stream else _collect(outputs, shaper)
     try:
-        body = await _unless_disconnected(request, _collect(outputs, shaper))
+        result = await _unless_disconnected(request, work)
     except ClientGone:
         logger.info("client left; aborted %s", shaper.response_id)
         return Response(status_code=499)
     except Exception as exc:  # noqa: BLE001 - an engine failure, not the client's fault
-        logger.exception("generation failed for %s", shaper.response_id)
-        raise oa.APIError(500, f"generation failed: {exc}", code="engine_error") from None
-    return JSONResponse(body, headers=_load_headers(engine, metrics))  # fresh: at the end
+        raise _generation_failed(exc, shaper.response_id) from None
+    headers = _load_headers(engine, metrics)  # fresh: at the first output (or the end)
+    if stream:
+        return _ClosingStreamingResponse(_sse(result, outputs, shaper, include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", **headers})
+    return JSONResponse(result, headers=headers)
+
+
+async def _first(outputs: AsyncIterator[tuple[int, RequestOutput]]
+                 ) -> tuple[int, RequestOutput] | None:
+    """The first output of ``outputs`` (None when it ends without one); closes it on error
+    or cancellation."""
+    try:
+        return await anext(outputs, None)
+    except BaseException:
+        await outputs.aclose()
+        raise
 
 
 def _load_headers(engine: Engine, metrics: WorkerMetrics) -> dict[str, str]:

@@ -2,11 +2,14 @@
 
 uvicorn starts at once and the engine loads on a background thread: ``/health`` answers 503
 until the model is ready, 200 after, and 503 again once SIGTERM starts the graceful drain
-(in-flight requests finish, then the engine shuts down), or once ``/drain`` is called.
+(in-flight requests finish, then the engine shuts down), or once ``/drain`` is called. It
+also answers 503 while the engine loop is dead or stalled (``sluice.worker.health``), as
+does ``/livez``, the liveness probe, which is 200 otherwise (loading and draining included).
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
-/health, /metrics (Prometheus, vLLM names), /tokenizer_info; POST|GET|DELETE /drain (the
-operator's scale-down and the pod's preStop hook: leave readiness first, finish what runs).
+/health, /livez, /metrics (Prometheus, vLLM names), /tokenizer_info; POST|GET|DELETE /drain
+(the operator's scale-down and the pod's preStop hook: leave readiness first, finish what
+runs). A request body over ``--max-body-bytes`` is refused while it is read (413).
 
 This module holds the CLI, the Worker's lifecycle, the app factory and its routes. A route
 parses the body (sluice.api.openai models; every client error is a 4xx OpenAI error body,
@@ -36,8 +39,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sluice.api import openai as oa
+from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
 from sluice.argtypes import port
 from sluice.logs import quiet_probe_access_logs
 from sluice.models import store
@@ -45,6 +50,7 @@ from sluice.worker.engine.config import EngineConfig
 from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.generation import (Engine, chat_choices, chat_prompt, completion_choices,
                                       generate_response)
+from sluice.worker.health import STALL_TIMEOUT_S, EngineWatch
 from sluice.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -110,6 +116,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("native", "vllm"), default="native",
                         help="native: Sluice's engine; vllm: vLLM's AsyncLLM, installed by "
                              "`make vllm` in .venv-vllm (default: %(default)s)")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=MAX_BODY_BYTES,
+                        help="largest request body accepted; beyond it: 413, found while "
+                             "reading (default: %(default)s)")
+    parser.add_argument("--engine-stall-timeout", type=_positive_float, default=STALL_TIMEOUT_S,
+                        help="seconds without engine progress, while it has requests, after "
+                             "which /health and /livez answer 503 engine_stalled "
+                             "(default: %(default)s)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
     except (store.ModelStoreError, ValueError) as exc:
         print(f"sluice worker: {exc}", file=sys.stderr)
         return 1
-    worker = Worker(lambda: _load_engine(engine_config, engine), served, root=str(path))
+    worker = Worker(lambda: _load_engine(engine_config, engine), served, root=str(path),
+                    max_body_bytes=args.max_body_bytes,
+                    stall_timeout_s=args.engine_stall_timeout)
     log_level = str(getattr(args, "log_level", "info")).lower()
     server_config = uvicorn.Config(create_app(worker), host=args.host, port=args.port,
                                    log_level=log_level, timeout_graceful_shutdown=None)
@@ -186,12 +215,18 @@ class Worker:
             requests finish (requests that still arrive are served).
         terminating: SIGTERM seen (a drain that DELETE /drain cannot undo).
         on_load_failed: called (from the loader thread) when loading fails.
+        max_body_bytes: the largest request body accepted (413 beyond).
+        watch: the engine's liveness and progress (``sluice.worker.health``).
     """
 
-    def __init__(self, load_engine: Callable[[], Engine], served_model_name: str, root: str = ""):
+    def __init__(self, load_engine: Callable[[], Engine], served_model_name: str, root: str = "",
+                 max_body_bytes: int = MAX_BODY_BYTES,
+                 stall_timeout_s: float = STALL_TIMEOUT_S):
         self._load_engine = load_engine
         self.served_model_name = served_model_name
         self.root = root
+        self.max_body_bytes = max_body_bytes
+        self.watch = EngineWatch(stall_timeout_s)
         self.engine: Engine | None = None
         self.texts: oa.TokenTexts | None = None
         self.load_error: BaseException | None = None
@@ -233,16 +268,27 @@ class Worker:
         """The loaded engine, checking the requested model name.
 
         Raises:
-            APIError: 503 while loading; 404 ``model_not_found`` for another model name.
+            APIError: 503 while loading, or while the engine is dead or stalled (code
+                ``engine_dead`` / ``engine_stalled``); 404 ``model_not_found`` for another
+                model name.
         """
         if self.engine is None:
             raise oa.APIError(503, "the model is still loading; retry shortly",
                               code="model_loading", type="service_unavailable_error")
+        problem = self.engine_problem()
+        if problem is not None:
+            raise oa.APIError(503, f"this worker cannot serve requests now ({problem}); "
+                                   "retry on another worker", code=problem,
+                              type="service_unavailable_error")
         if model is not None and model != self.served_model_name:
             raise oa.APIError(404, f"model {model!r} does not exist; this worker serves "
                                    f"{self.served_model_name!r}", param="model",
                               code="model_not_found")
         return self.engine
+
+    def engine_problem(self) -> str | None:
+        """``engine_dead``, ``engine_stalled`` or None (``EngineWatch.problem``)."""
+        return self.watch.problem(self.engine)
 
     def _stats(self) -> Any:
         return self.engine.stats() if self.engine is not None else None
@@ -275,22 +321,40 @@ def create_app(worker: Worker) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         worker.start_loading()
+        watch = asyncio.create_task(worker.watch.run(lambda: worker.engine))
         yield
+        watch.cancel()
         await asyncio.to_thread(worker.shutdown)
 
     app = FastAPI(title="sluice worker", lifespan=lifespan)
     app.state.worker = worker
-    _install_error_handlers(app)
+    _install_error_handlers(app, worker)
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """Readiness: 200 ``ok``; 503 ``failed``, ``engine_dead``, ``engine_stalled``,
+        ``draining`` or ``loading`` (the router ejects a worker for any but ``draining``)."""
         if worker.load_error is not None:
             return JSONResponse({"status": "failed"}, status_code=503)
+        problem = worker.engine_problem()
+        if problem is not None:
+            return JSONResponse({"status": problem}, status_code=503)
         if worker.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if worker.engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        """Liveness (the pod's probe): 503 only for an engine that is dead or stalled (or a
+        model that failed to load); 200 while loading and draining."""
+        if worker.load_error is not None:
+            return JSONResponse({"status": "failed"}, status_code=503)
+        problem = worker.engine_problem()
+        if problem is not None:
+            return JSONResponse({"status": problem}, status_code=503)
+        return JSONResponse({"status": "alive"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -304,25 +368,27 @@ def create_app(worker: Worker) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req = oa.parse(oa.CompletionRequest, await _json(request))
+        req = oa.parse(oa.CompletionRequest, await _json(request, worker.max_body_bytes))
         engine = worker.require_engine(req.model)
         choices = await completion_choices(engine, req)
         shaper = oa.CompletionShaper(oa.new_id("cmpl"), worker.served_model_name,
                                      [c.view for c in choices], worker.texts, req.logprobs)
         return await generate_response(request, worker.metrics, engine, choices, shaper,
-                                       arrival, bool(req.stream), req.include_usage)
+                                       arrival, bool(req.stream), req.include_usage,
+                                       worker.watch)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
-        req = oa.parse(oa.ChatCompletionRequest, await _json(request))
+        req = oa.parse(oa.ChatCompletionRequest, await _json(request, worker.max_body_bytes))
         engine = worker.require_engine(req.model)
         choices = await chat_choices(engine, req)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         shaper = oa.ChatShaper(oa.new_id("chatcmpl"), worker.served_model_name,
                                [c.view for c in choices], worker.texts, num_top)
         return await generate_response(request, worker.metrics, engine, choices, shaper,
-                                       arrival, bool(req.stream), req.include_usage)
+                                       arrival, bool(req.stream), req.include_usage,
+                                       worker.watch)
 
     _add_tokenizer_routes(app, worker)
     _add_drain_routes(app, worker)
@@ -366,7 +432,7 @@ def _add_drain_routes(app: FastAPI, worker: Worker) -> None:
 def _add_tokenizer_routes(app: FastAPI, worker: Worker) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        req = oa.parse(oa.TokenizeRequest, await _json(request))
+        req = oa.parse(oa.TokenizeRequest, await _json(request, worker.max_body_bytes))
         engine = worker.require_engine(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise oa.APIError(400, "give exactly one of prompt and messages", param="prompt")
@@ -381,7 +447,7 @@ def _add_tokenizer_routes(app: FastAPI, worker: Worker) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        req = oa.parse(oa.DetokenizeRequest, await _json(request))
+        req = oa.parse(oa.DetokenizeRequest, await _json(request, worker.max_body_bytes))
         engine = worker.require_engine(req.model)
         vocab = len(engine.tokenizer)
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
@@ -399,9 +465,14 @@ def _add_tokenizer_routes(app: FastAPI, worker: Worker) -> None:
                 "chat_template": getattr(tok, "chat_template", None)}
 
 
-async def _json(request: Request) -> Any:
-    """The request body as JSON. Raises APIError (400) when it is not valid JSON."""
-    body = await request.body()
+async def _json(request: Request, limit: int) -> Any:
+    """The request body as JSON, read up to ``limit`` bytes.
+
+    Raises:
+        APIError: 400 when it is not valid JSON.
+        BodyTooLarge: over ``limit`` bytes (found while reading it).
+    """
+    body = await read_body(request, limit)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -428,12 +499,24 @@ def _check_unicode(value: Any, path: str) -> None:
             _check_unicode(item, f"{path}[{i}]")
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, worker: Worker) -> None:
     """Every error leaves as an OpenAI error body."""
 
     @app.exception_handler(oa.APIError)
     async def api_error(_: Request, exc: oa.APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_: Request, exc: BodyTooLarge) -> JSONResponse:
+        error = oa.APIError(413, f"the request body is larger than {worker.max_body_bytes} "
+                                 "bytes (the worker's --max-body-bytes)",
+                            code="request_too_large")
+        # the rest of the body is not read: the connection cannot carry another request
+        return JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(_: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # it left while sending its body: nobody reads this
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
