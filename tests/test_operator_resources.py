@@ -164,7 +164,7 @@ def test_probes_lifecycle_and_grace():
     pod = deployment_of(isvc())["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": 8000}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": 8000}
     assert container["livenessProbe"]["initialDelaySeconds"] >= 30
     assert container["livenessProbe"]["failureThreshold"] * \
         container["livenessProbe"]["periodSeconds"] >= 60

@@ -11,7 +11,8 @@ Worker pod, for ``sluice://NAME`` (the model store)::
     initContainer fetch-model: sluice models fetch NAME     (SLUICE_HOME on the model cache;
                                                              also one per store draft model)
     container worker:          sluice worker --model NAME ... --host $(POD_IP) --port 8000
-      readiness GET /health (503 while loading or draining), liveness GET /metrics,
+      readiness GET /health (503 while loading, draining, or the engine is dead or
+      stalled), liveness GET /livez (503 only for a dead or stalled engine),
       preStop GET drain?wait=drainSeconds (leave readiness, finish in-flight requests),
       termination grace covering that drain, non-root, read-only root filesystem, /tmp
       an emptyDir
@@ -363,9 +364,10 @@ def build_pod_template(service: InferenceService, config: OperatorConfig) -> dic
         "ports": [{"name": WORKER_PORT_NAME, "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": WORKER_PORT},
                            "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 2},
-        # /metrics answers while the model loads and while draining (when /health is 503):
-        # only a wedged process fails it. Generous, since loading takes tens of seconds.
-        "livenessProbe": {"httpGet": {"path": "/metrics", "port": WORKER_PORT},
+        # /livez answers 200 while the model loads and while draining (when /health is 503):
+        # only a wedged process or a dead or stalled engine loop fails it. Generous, since
+        # loading takes tens of seconds.
+        "livenessProbe": {"httpGet": {"path": "/livez", "port": WORKER_PORT},
                           "initialDelaySeconds": 60, "periodSeconds": 20, "timeoutSeconds": 10,
                           "failureThreshold": 6},
         "lifecycle": {"preStop": {"httpGet": {"path": _drain_hook_path(service),
