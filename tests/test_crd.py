@@ -142,7 +142,7 @@ def test_optional_fields_are_nullable_not_unions():
     native = SPEC["properties"]["engine"]["properties"]["native"]["properties"]
     assert native["kvCacheGiB"] == {"description": "Memory for the paged KV cache, GiB.",
                                     "type": "number", "minimum": 0, "exclusiveMinimum": True,
-                                    "nullable": True}
+                                    "maximum": 4096, "nullable": True}
     assert native["quantization"]["enum"] == ["int8"] and native["quantization"]["nullable"]
     cpu = SPEC["properties"]["resources"]["properties"]["cpu"]
     assert cpu["x-kubernetes-int-or-string"] is True and "type" not in cpu
@@ -223,6 +223,12 @@ def test_examples_exist():
      "does not match"),
     ({"model": {"source": "sluice://x"}}, ["spec", "model"], "'name' is a required property"),
     ({"replicas": "two"}, ["spec", "replicas"], "is not of type 'integer'"),
+    ({"replicas": 10_001}, ["spec", "replicas"], "greater than the maximum"),
+    ({"maxReplicas": 10_001}, ["spec", "maxReplicas"], "greater than the maximum"),
+    ({"engine": {"native": {"maxModelLen": 2**20 + 1}}},
+     ["spec", "engine", "native", "maxModelLen"], "greater than the maximum"),
+    ({"autoscaling": {"drainSeconds": 3601}}, ["spec", "autoscaling", "drainSeconds"],
+     "greater than the maximum"),
 ])
 def test_schema_rejects_bad_values_naming_the_field(change, field, words):
     obj = copy.deepcopy(MINIMAL)

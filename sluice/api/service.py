@@ -29,6 +29,7 @@ from pydantic.alias_generators import to_camel
 API_VERSION = "serving.sluice.dev/v1alpha1"
 KIND = "InferenceService"
 SOURCE_SCHEMES = ("sluice", "file", "pvc")
+MAX_REPLICAS = 10_000  # bounds on counts, so a typo cannot ask for a million pods
 # The CRD's check of model.source (what ``ModelSpec._check_source`` accepts, in RE2 syntax, so
 # the API server rejects a bad source at apply time; tests/test_crd.py checks they agree).
 SOURCE_PATTERN = r"^(sluice://.+|file:///.*|pvc:///*[^/]+/.*[^/]/*)$"
@@ -122,13 +123,13 @@ class NativeEngineOptions(_Spec):
     """Options of Sluice's own paged-attention engine. Unset fields use the engine's
     defaults (see ``sluice worker --help``)."""
 
-    kv_cache_gib: float | None = Field(None, alias="kvCacheGiB", gt=0,
+    kv_cache_gib: float | None = Field(None, alias="kvCacheGiB", gt=0, le=4096,
                                        description="Memory for the paged KV cache, GiB.")
-    block_size: int | None = Field(None, ge=1, description="Tokens per KV-cache block.")
-    max_num_seqs: int | None = Field(None, ge=1, description="Most sequences in one batch.")
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="Token budget per "
+    block_size: int | None = Field(None, ge=1, le=1024, description="Tokens per KV-cache block.")
+    max_num_seqs: int | None = Field(None, ge=1, le=65536, description="Most sequences in one batch.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, le=2**20, description="Token budget per "
                                                "engine step (prefill and decode tokens).")
-    max_model_len: int | None = Field(None, ge=1, description="Context length in tokens "
+    max_model_len: int | None = Field(None, ge=1, le=2**20, description="Context length in tokens "
                                       "(prompt + output); unset: the model's, capped.")
     enable_prefix_caching: bool | None = Field(None, description="Reuse the KV blocks of "
                                                "shared prompt prefixes across requests.")
@@ -144,7 +145,7 @@ class EngineSpec(_Spec):
     name: EngineName = Field("native", description="`native` (Sluice's engine) or `vllm`.")
     native: NativeEngineOptions = Field(default_factory=NativeEngineOptions,
                                         description="Options of the native engine.")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one replica is sharded over.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one replica is sharded over.")
 
 
 class ResourcesSpec(_Spec):
@@ -154,7 +155,7 @@ class ResourcesSpec(_Spec):
                                  json_schema_extra=_INT_OR_STRING)
     memory: Quantity | None = Field(None, description="Memory, e.g. `4Gi`.",
                                     json_schema_extra=_INT_OR_STRING)
-    gpu: int | None = Field(None, alias="nvidia.com/gpu", ge=0, description="NVIDIA GPUs.")
+    gpu: int | None = Field(None, alias="nvidia.com/gpu", ge=0, le=64, description="NVIDIA GPUs.")
 
     def cpu_threads(self) -> int | None:
         """Threads one replica may run (OMP_NUM_THREADS): ``cpu`` rounded down, at least 1;
@@ -170,8 +171,8 @@ class ResourcesSpec(_Spec):
 class SLOSpec(_Spec):
     """Latency objectives the autoscaler and the router aim for."""
 
-    ttft_ms: float | None = Field(None, gt=0, description="Time to first token, milliseconds.")
-    itl_ms: float | None = Field(None, gt=0, description="Inter-token latency, milliseconds.")
+    ttft_ms: float | None = Field(None, gt=0, le=3_600_000, description="Time to first token, milliseconds.")
+    itl_ms: float | None = Field(None, gt=0, le=3_600_000, description="Inter-token latency, milliseconds.")
     percentile: float = Field(95.0, gt=0, le=100, description="Percentile the objectives "
                               "apply to, e.g. 95 for p95.")
 
@@ -183,22 +184,22 @@ class AutoscalingSpec(_Spec):
     enabled: bool = Field(False, description="Let Sluice's autoscaler set spec.replicas.")
     scale_to_zero: bool = Field(False, description="Allow 0 replicas when idle (requires "
                                 "minReplicas: 0).")
-    scale_up_stabilization_seconds: float = Field(0.0, ge=0, description="Seconds a higher "
+    scale_up_stabilization_seconds: float = Field(0.0, ge=0, le=3600, description="Seconds a higher "
                                                   "recommendation must persist before scaling up.")
-    scale_down_stabilization_seconds: float = Field(300.0, ge=0, description="Seconds a lower "
+    scale_down_stabilization_seconds: float = Field(300.0, ge=0, le=3600, description="Seconds a lower "
                                                     "recommendation must persist before scaling down.")
-    idle_seconds: float = Field(300.0, ge=0, description="With scaleToZero: seconds without "
+    idle_seconds: float = Field(300.0, ge=0, le=86400, description="With scaleToZero: seconds without "
                                 "any request before going to 0 replicas.")
-    capacity_rps: float | None = Field(None, alias="capacityRPS", gt=0, description="Requests "
+    capacity_rps: float | None = Field(None, alias="capacityRPS", gt=0, le=1e6, description="Requests "
                                        "per second one replica serves within the SLO at its "
                                        "percentile (`sluice profile` measures it); corrected "
                                        "online from observed attainment. Unset: 1.")
-    boot_seconds: float = Field(30.0, ge=0, description="Seconds from asking for a replica to "
+    boot_seconds: float = Field(30.0, ge=0, le=3600, description="Seconds from asking for a replica to "
                                 "its readiness: the arrival forecast's horizon.")
-    hold_seconds: float = Field(60.0, gt=0, description="Seconds the router holds a request "
+    hold_seconds: float = Field(60.0, gt=0, le=3600, description="Seconds the router holds a request "
                                 "while no replica is ready (scale from zero) before answering "
                                 "503 with Retry-After.")
-    drain_seconds: float = Field(120.0, gt=0, description="Seconds a replica being removed may "
+    drain_seconds: float = Field(120.0, gt=0, le=3600, description="Seconds a replica being removed may "
                                  "take to finish its in-flight requests after it leaves "
                                  "routing (the pod's termination grace covers it).")
 
@@ -211,7 +212,7 @@ class RoutingSpec(_Spec):
         "(`slo.ttftMs`), packing requests that share a prompt prefix where it is cached; "
         "`least-load`: fewest in-flight requests; `prefix`: consistent hashing with bounded "
         "load on the prompt's first characters; `round-robin`: each replica in turn.")
-    load_factor: float = Field(1.25, ge=1.0, description="`prefix`: no replica takes more "
+    load_factor: float = Field(1.25, ge=1.0, le=100, description="`prefix`: no replica takes more "
                                "than this times the average in-flight load.")
 
 
@@ -230,10 +231,10 @@ class InferenceServiceSpec(_Spec):
 
     model: ModelSpec = Field(description="The model to serve.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="The engine.")
-    replicas: int = Field(1, ge=0, description="Worker replicas (the scale subresource's "
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="Worker replicas (the scale subresource's "
                           "field; the autoscaler writes it when enabled).")
-    min_replicas: int = Field(1, ge=0, description="Fewest replicas the autoscaler may set.")
-    max_replicas: int | None = Field(None, ge=1, description="Most replicas the autoscaler "
+    min_replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description="Fewest replicas the autoscaler may set.")
+    max_replicas: int | None = Field(None, ge=1, le=MAX_REPLICAS, description="Most replicas the autoscaler "
                                      "may set; unset: no more than `replicas`.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec,
                                      description="Resources of one replica.")
