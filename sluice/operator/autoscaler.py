@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.autoscale.metrics import AutoscalerMetrics
@@ -45,7 +44,6 @@ from sluice.operator.routers import Routers
 
 logger = logging.getLogger(__name__)
 
-ATTAINMENT_WINDOW_S = 60.0  # status.sloAttainment covers the requests of the last minute
 Key = tuple[str, str]
 
 
@@ -56,18 +54,6 @@ class _Tracked:
     state: State
     snapshots: dict[str, Snapshot]
     seen_at: float
-    recent: deque[tuple[float, int, int, int, int]] = field(default_factory=deque)
-
-    def attainment(self, obs: Observation, now: float) -> float | None:
-        """SLO attainment over the last ATTAINMENT_WINDOW_S (the worse of TTFT and ITL);
-        None without samples."""
-        self.recent.append((now, obs.ttft_met, obs.ttft_total, obs.itl_met, obs.itl_total))
-        while self.recent and now - self.recent[0][0] > ATTAINMENT_WINDOW_S:
-            self.recent.popleft()
-        sums = [sum(r[i] for r in self.recent) for i in range(1, 5)]
-        ratios = [met / total for met, total in ((sums[0], sums[1]), (sums[2], sums[3]))
-                  if total]
-        return min(ratios) if ratios else None
 
 
 def autoscaled(body: Mapping[str, Any]) -> bool:
@@ -159,7 +145,7 @@ class Autoscaler:
         previous = tracked.state.replicas
         decision = recommend(obs, tracked.state, config, now)
         tracked.state = decision.state
-        attainment = tracked.attainment(obs, now)
+        attainment = decision.attainment  # recent, decayed over the policy's ATTAINMENT_TAU_S
         self.metrics.record(service.spec.model.name, previous, decision, ready)
         if decision.replicas != replicas:
             await self._scale(body, replicas, decision, obs, attainment)
