@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import pytest
@@ -56,9 +57,14 @@ def test_out_of_range_parameters_are_refused_naming_the_field(field, value):
 # --------------------------------------------------------------------------- fair queue
 
 
+_prompts = itertools.count(1)
+
+
 def seq(request_id: str, group: str | None = None, prompt_len: int = 5,
         max_tokens: int = 3) -> Sequence:
-    return Sequence(request_id, list(range(1, prompt_len + 1)),
+    """A sequence with a prompt of its own (no prefix-cache hits between them)."""
+    first = next(_prompts) * 1000
+    return Sequence(request_id, list(range(first, first + prompt_len)),
                     SamplingParams(max_tokens=max_tokens, temperature=0.0), None, group)
 
 
@@ -119,7 +125,11 @@ def check_block_accounting(s: Scheduler) -> None:
 def step(s: Scheduler, rng: random.Random) -> list[Sequence]:
     """One simulated engine step: schedule, 'run', append a token to every sequence that
     reached its end, finish those at max_tokens. Returns the sequences that finished."""
-    scheduled = s.schedule()
+    return advance(s, s.schedule(), rng)
+
+
+def advance(s: Scheduler, scheduled: list[tuple[Sequence, int]], rng: random.Random
+            ) -> list[Sequence]:
     assert sum(n for _, n in scheduled) <= s.max_num_batched_tokens
     for r, n in scheduled:
         assert s.block_manager.blocks_for(r.num_computed_tokens + n) <= len(r.block_table)
@@ -213,6 +223,30 @@ def test_a_full_batch_of_one_requests_long_generations_makes_room_for_a_newcomer
         step(s, rng)
         check_block_accounting(s)
     assert s.num_preemptions == 1  # no cycling
+
+
+def test_while_requests_share_the_engine_one_requests_prefill_per_step_is_capped():
+    """Alone, a request of many short prompts fills the token budget; once another request
+    has work, its prefill tokens per step are capped at long_prefill_token_threshold (32
+    here), as one long prompt's chunk is, so the steps the other request decodes in stay
+    short."""
+    s = scheduler(num_blocks=512, max_num_seqs=32, budget=64)
+    assert s.long_prefill_token_threshold == 32
+    rng = random.Random(0)
+    for i in range(200):
+        s.add(seq(f"big-{i}", "big", prompt_len=5, max_tokens=1))
+    scheduled = s.schedule()
+    assert sum(n for _, n in scheduled) == 64  # the whole budget (the 13th prompt in part)
+    advance(s, scheduled, rng)
+    small = seq("small", prompt_len=5, max_tokens=4)
+    s.add(small)
+    while small.status != SequenceStatus.FINISHED_LENGTH:
+        scheduled = s.schedule()
+        assert small in [r for r, _ in scheduled]
+        assert sum(n for r, n in scheduled if r.group == "big") <= 32
+        advance(s, scheduled, rng)
+    scheduled = s.schedule()  # alone again: the whole budget
+    assert sum(n for _, n in scheduled) == 64
 
 
 def test_single_sequence_requests_keep_arrival_order_and_are_never_preempted_for_fairness():

@@ -20,7 +20,11 @@ queue to be recomputed.
 Fairness between requests: sequences carry a ``group`` (the API request they belong to: one
 per prompt × n share it). Waiting sequences queue per group (``FairQueue``); admission takes
 first a group with nothing running (oldest first), else the next group in round-robin
-order, so one request's thousands of sequences cannot hold the queue. Round-robin alone
+order, so one request's thousands of sequences cannot hold the queue. While two or more
+requests have work, one request's prefill tokens per step are capped at
+``long_prefill_token_threshold``, as one long prompt's chunk is: a request of 2,000 short
+prompts is prefilled like one long prompt, so the steps it shares with others stay short
+(each step is every running request's inter-token latency). Round-robin alone
 only helps once slots free up; when the batch is full (``max_num_seqs``) or the pool too
 short for a waiting group that has nothing running, the most recently admitted sequence of
 the group running the most sequences (at least two) is preempted to make room — so a new
@@ -102,6 +106,11 @@ class Scheduler:
         """
         self._preempt_for_fairness()
         budget = self.max_num_batched_tokens
+        # while two or more requests have work, each request's prefill tokens per step are
+        # capped like one long prompt's chunk, so one request's many prompts cannot make
+        # every step long (each step is every running request's inter-token latency)
+        group_cap = self.long_prefill_token_threshold if self._contended() else budget
+        prefill_left: dict[str, int] = {}
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
         i = 0
@@ -114,7 +123,8 @@ class Scheduler:
             else:  # prefill chunk: leave a token for each later decode in the batch
                 later_decodes = sum(1 for s in self.running[i + 1:]
                                     if s.num_tokens - s.num_computed_tokens == 1)
-                n = min(gap, budget - later_decodes, self.chunk_limit(seq))
+                n = min(gap, budget - later_decodes, self.chunk_limit(seq),
+                        prefill_left.get(seq.group, group_cap))
                 if n <= 0:
                     i += 1
                     continue
@@ -127,14 +137,22 @@ class Scheduler:
             else:
                 scheduled.append((seq, n))
                 budget -= n
+                if gap > 1:
+                    prefill_left[seq.group] = prefill_left.get(seq.group, group_cap) - n
                 i += 1
+        spent: set[str] = set()  # groups out of prefill tokens this step
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            group = next(self._starved_groups(), None)
-            if group is None:  # every waiting group runs something: round-robin
-                group = next(self.waiting.groups())
+            group = self._next_group(spent)
+            if group is None:
+                break
             seq = self.waiting.peek(group)
             self.block_manager.allocate_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_limit(seq))
+            if n > prefill_left.get(group, group_cap):  # a short prompt is never split for it
+                self.block_manager.free(seq)
+                seq.num_computed_tokens = 0
+                spent.add(group)
+                continue
             if not self.block_manager.allocate_slots(seq, n):
                 self.block_manager.free(seq)
                 seq.num_computed_tokens = 0
@@ -145,7 +163,25 @@ class Scheduler:
             self._running_of[seq.group] += 1
             scheduled.append((seq, n))
             budget -= n
+            prefill_left[group] = prefill_left.get(group, group_cap) - n
         return scheduled
+
+    def _contended(self) -> bool:
+        """Whether two or more groups have sequences (running or waiting)."""
+        running, waiting = len(self._running_of), self.waiting.num_groups
+        if running > 1 or waiting > 1:
+            return True
+        return running == waiting == 1 and next(iter(self._running_of)) != next(self.waiting.groups())
+
+    def _next_group(self, spent: set[str]) -> str | None:
+        """The group to admit from: the first waiting group with nothing running, else the
+        front of the rotation; skipping ``spent`` groups. O(max_num_seqs): at most that many
+        groups run something or are spent."""
+        group = next((g for g in self._starved_groups() if g not in spent), None)
+        if group is None:
+            limit = len(spent) + 1
+            group = next((g for g in islice(self.waiting.groups(), limit) if g not in spent), None)
+        return group
 
     def _starved_groups(self) -> Iterator[str]:
         """Waiting groups with no running sequence, front of the rotation first. At most
