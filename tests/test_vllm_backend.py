@@ -238,7 +238,7 @@ def test_what_vllm_validation_refuses_is_an_invalid_sampling_field():
     code = """
 from sluice.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
 from sluice.worker.vllm_backend import vllm_sampling_params
-for field, value in (("temperature", 3.0), ("top_k", -5), ("top_p", 0.0)):
+for field, value in (("temperature", 3.0), ("logprobs", -2), ("top_p", 0.0), ("stop", [""])):
     params = SamplingParams(max_tokens=4)
     setattr(params, field, value)  # past our own checks, to reach vLLM's
     try:
@@ -252,8 +252,9 @@ print(type(vllm_sampling_params(SamplingParams(temperature=0.5))).__module__)
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split("\n")
-    assert lines[:3] == ["temperature temperature", "top_k top_k", "top_p top_p"], out.stdout
-    assert lines[3] == "vllm.sampling_params"
+    assert lines[:4] == ["temperature temperature", "logprobs logprobs", "top_p top_p",
+                         "stop stop"], out.stdout
+    assert lines[4] == "vllm.sampling_params"
 
 
 def test_engine_arguments():
