@@ -384,13 +384,23 @@ def summarize(raw: dict, slo: dict) -> dict:
         "errors": dict(sorted(Counter(r.error_code for r in records if not r.ok).items())),
         "ttft_ms": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_mean_ms": _stats([g for r in ok if (g := mean_itl_s(r)) is not None]),
-        "timeline": {
-            "running": [[t - t0, k] for t, k in events],
-            "ready": [[t - t0, k] for t, k in raw["ready"]],
-            "ttft": [[r.start_s, r.ttft_s * 1000.0] for r in ok if r.ttft_s is not None],
-            "arrivals_s": [r.scheduled_s for r in records if r.scheduled_s is not None],
+        "timeline": {  # seconds from t0 (0.01 s), TTFT in ms (0.1 ms)
+            "running": [[round(t - t0, 2), k] for t, k in events],
+            "ready": changes([[round(t - t0, 2), k] for t, k in raw["ready"]]),
+            "ttft": [[round(r.start_s, 2), round(r.ttft_s * 1000.0, 1)] for r in ok
+                     if r.ttft_s is not None],
+            "arrivals_s": [round(r.scheduled_s, 3) for r in records if r.scheduled_s is not None],
         },
     }
+
+
+def changes(samples: Sequence[list]) -> list[list]:
+    """A sampled step function ``[[t, value], ...]`` reduced to its changes (and its last
+    sample)."""
+    out = [s for i, s in enumerate(samples) if i == 0 or s[1] != samples[i - 1][1]]
+    if samples and out[-1] is not samples[-1]:
+        out.append(samples[-1])
+    return out
 
 
 def _stats(values_s: Sequence[float]) -> dict:
@@ -430,8 +440,15 @@ def print_table(runs: dict, title: str) -> None:
                   f"{r['ttft_attainment_pct']:.1f}%", f"{r['itl_attainment_pct']:.1f}%",
                   f"{_f(r['ttft_p50_ms'])} / {_f(r['ttft_p95_ms'])}",
                   f"{r['replica_seconds']:.0f}", f"{r['mean_replicas']:.2f}",
-                  f"{ups} up, {downs} down", str(r["failed"]), str(r["truncated"]))
+                  f"{ups} up, {downs} down", _failed(r), str(r["truncated"]))
     Console(width=max(150, Console().width)).print(t)
+
+
+def _failed(run: dict) -> str:
+    """``3 (429: 2, ReadError: 1)``: failed requests and their error codes."""
+    codes = ", ".join(f"{code}: {n}" for code, n in run["errors"].items()
+                      if code != "incomplete_stream")
+    return f"{run['failed']} ({codes})" if codes else str(run["failed"])
 
 
 def _f(value: float | None) -> str:
@@ -470,8 +487,8 @@ def _panel(ax, name: str, r: dict, slo: dict) -> None:
     xs, ys = [t for t, _ in steps] + [span], [k for _, k in steps] + [steps[-1][1]]
     ax.step(xs, ys, where="post", color="C0", lw=2, label="workers running")
     if tl["ready"]:
-        ax.plot([t for t, _ in tl["ready"]], [k for _, k in tl["ready"]], color="C2", lw=1,
-                alpha=0.8, label="ready (router /health)")
+        ax.step([t for t, _ in tl["ready"]], [k for _, k in tl["ready"]], where="post",
+                color="C2", lw=1, alpha=0.8, label="ready (router /health)")
     bins = rate_bins(tl["arrivals_s"], span)
     ax.step([i * BIN_S for i in range(len(bins) + 1)], bins + bins[-1:], where="post",
             color="0.5", lw=1, label=f"arrivals (req/s, {BIN_S:.0f} s bins)")
@@ -606,7 +623,8 @@ def main() -> int:
     result = {"model": args.model, "cut": {**vars(cut), **cut_info}, "slo": slo,
               "capacity": capacity, "manifest_autoscaling": build_manifest(
                   base, "autoscale", slo, capacity["capacity_rps"] or 1.0, scaling)["spec"][
-                  "autoscaling"], "tiny": args.tiny, "rounds": args.rounds, "configs": runs}
+                  "autoscaling"], "tiny": args.tiny, "rounds": args.rounds,
+              "cores": len(os.sched_getaffinity(0)), "configs": runs}
     if {"autoscale", "static-2"} <= set(runs):
         result["targets"] = verdict(runs)
         v = result["targets"]
