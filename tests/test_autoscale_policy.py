@@ -184,3 +184,17 @@ def test_misses_of_a_burst_that_is_over_add_no_replica():
     assert (decision.replicas, decision.reason, decision.capacity_rps) == (1, "steady", 2.0)
     missed_now = Observation(5.0, arrivals=9, ttft_met=0, ttft_total=2, ready=1)
     assert recommend(missed_now, state, CFG, 5.0).reason == "slo-miss"
+
+
+def test_one_request_in_a_short_window_is_not_a_rate():
+    """bench/autoscale.py saw 1 → 2 on a single arrival (0.5 req/s in a 2 s window against a
+    capacity of 0.25): demand is the smoothed rate, so a lone request moves it little, while
+    a sustained rate still scales within seconds."""
+    config = Config(min_replicas=1, max_replicas=2, capacity_rps=0.25, boot_s=15.0)
+    quiet = [Observation(2.0, ready=1)] * 5
+    lone = Observation(2.0, arrivals=1, ready=1)
+    decisions = run(config, State.initial(1, config, 0.0), [*quiet, lone, *quiet], step=2.0)
+    assert {d.replicas for d in decisions} == {1}
+    sustained = [Observation(2.0, arrivals=2, ready=1)] * 4  # 1 req/s for 8 s
+    decisions = run(config, State.initial(1, config, 0.0), [*quiet, *sustained], step=2.0)
+    assert decisions[-1].replicas == 2

@@ -251,20 +251,20 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     backlog = obs.queued + obs.held + obs.rejected
     horizon = max(config.drain_s, config.boot_s)
     backlog_rps = backlog / horizon
-    demand = max(rate, forecast) + backlog_rps
+    demand = max(level, forecast) + backlog_rps  # smoothed: one request is not a rate
     raw = math.ceil(demand / capacity - 1e-9)
     if backlog and raw > obs.ready + obs.starting:
         reason = "burst"
     elif missed:
         raw, reason = max(raw, state.replicas + 1), "slo-miss"
     else:
-        reason = "forecast" if forecast > rate else "load"
+        reason = "forecast" if forecast > level else "load"
     active = obs.arrivals > 0 or obs.pending > 0
     last_active = now if active else state.last_active
     if not active and config.scale_to_zero and now - last_active >= config.idle_s:
         raw, reason = 0, "idle"
     elif raw < state.replicas:  # consolidation: the smaller fleet keeps a margin
-        safe = math.ceil(max(rate, forecast) / (capacity * (1 - config.down_margin)) - 1e-9)
+        safe = math.ceil(max(level, forecast) / (capacity * (1 - config.down_margin)) - 1e-9)
         raw = max(raw, min(safe, state.replicas))
         reason = "consolidate"
     floor = config.min_replicas if not obs.pending else max(1, config.min_replicas)
