@@ -150,3 +150,15 @@ def test_autoscale_bench_reads_the_supervisors_log_and_builds_valid_manifests():
     assert 10 < len(kept) < 40 and kept == autoscale.cut_trace(rows, cut)  # seeded
     assert all(0 <= r.arrival_s < 25 and r.input_tokens <= 103 and r.output_tokens == 32
                for r in kept)
+
+
+@pytest.mark.slow
+def test_fan_out_bench(tmp_path):
+    """Tiny: 150 prompts x n 2 against a worker of its own; the small requests complete
+    while the large one runs, and leaving it makes the worker idle (its abort)."""
+    result = run_bench("fan_out.py", "--prompts", "150", "--n", "2", "--small", "2",
+                       "--threads", "1", out=tmp_path / "fan_out.json")
+    assert result["sequences"] == 300 and len(result["small_alone_seconds"]) == 2
+    assert result["big_status"] in ("left", 200)
+    if result["big_status"] == "left":
+        assert len(result["small_seconds"]) == 2 and result["idle_after_abort_s"] is not None
