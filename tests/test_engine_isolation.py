@@ -225,18 +225,17 @@ def test_a_full_batch_of_one_requests_long_generations_makes_room_for_a_newcomer
     assert s.num_preemptions == 1  # no cycling
 
 
-def test_while_requests_share_the_engine_one_requests_prefill_per_step_is_capped():
-    """Alone, a request of many short prompts fills the token budget; once another request
-    has work, its prefill tokens per step are capped at long_prefill_token_threshold (32
-    here), as one long prompt's chunk is, so the steps the other request decodes in stay
-    short."""
+def test_one_requests_prompts_are_prefilled_like_one_long_prompt():
+    """A request of many short prompts gets at most long_prefill_token_threshold prefill
+    tokens per step (32 here), as one long prompt's chunk, alone or not; so the steps a small
+    request arrives in and decodes in stay short. A short prompt is never split for it."""
     s = scheduler(num_blocks=512, max_num_seqs=32, budget=64)
     assert s.long_prefill_token_threshold == 32
     rng = random.Random(0)
     for i in range(200):
         s.add(seq(f"big-{i}", "big", prompt_len=5, max_tokens=1))
     scheduled = s.schedule()
-    assert sum(n for _, n in scheduled) == 64  # the whole budget (the 13th prompt in part)
+    assert [n for _, n in scheduled] == [5] * 6  # 30 tokens; a 7th prompt would need 35
     advance(s, scheduled, rng)
     small = seq("small", prompt_len=5, max_tokens=4)
     s.add(small)
@@ -245,8 +244,11 @@ def test_while_requests_share_the_engine_one_requests_prefill_per_step_is_capped
         assert small in [r for r, _ in scheduled]
         assert sum(n for r, n in scheduled if r.group == "big") <= 32
         advance(s, scheduled, rng)
-    scheduled = s.schedule()  # alone again: the whole budget
-    assert sum(n for _, n in scheduled) == 64
+    long = seq("long", prompt_len=100, max_tokens=1)  # one long prompt: chunks of 32 (and
+    s.add(long)  # the chunk of a prompt of its own never counts against another request)
+    scheduled = s.schedule()
+    assert dict((r.request_id, n) for r, n in scheduled)["long"] == 32
+    assert sum(n for r, n in scheduled if r.group == "big") <= 32
 
 
 def test_single_sequence_requests_keep_arrival_order_and_are_never_preempted_for_fairness():

@@ -41,10 +41,6 @@ class FairQueue:
         queue = self._groups.get(seq.group)
         return queue is not None and seq in queue
 
-    @property
-    def num_groups(self) -> int:
-        return len(self._groups)
-
     def groups(self) -> Iterator[str]:
         """Groups with waiting sequences, front of the rotation first."""
         return iter(self._groups)

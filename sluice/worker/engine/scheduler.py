@@ -20,11 +20,11 @@ queue to be recomputed.
 Fairness between requests: sequences carry a ``group`` (the API request they belong to: one
 per prompt × n share it). Waiting sequences queue per group (``FairQueue``); admission takes
 first a group with nothing running (oldest first), else the next group in round-robin
-order, so one request's thousands of sequences cannot hold the queue. While two or more
-requests have work, one request's prefill tokens per step are capped at
-``long_prefill_token_threshold``, as one long prompt's chunk is: a request of 2,000 short
-prompts is prefilled like one long prompt, so the steps it shares with others stay short
-(each step is every running request's inter-token latency). Round-robin alone
+order, so one request's thousands of sequences cannot hold the queue. One request's prefill
+tokens per step are capped at ``long_prefill_token_threshold``, as one long prompt's chunk
+is: a request of 2,000 short prompts is prefilled like one long prompt, so its steps stay
+as short as a chunk's (each step is every running request's inter-token latency, and a
+newcomer first waits for the step under way). Round-robin alone
 only helps once slots free up; when the batch is full (``max_num_seqs``) or the pool too
 short for a waiting group that has nothing running, the most recently admitted sequence of
 the group running the most sequences (at least two) is preempted to make room — so a new
@@ -106,10 +106,10 @@ class Scheduler:
         """
         self._preempt_for_fairness()
         budget = self.max_num_batched_tokens
-        # while two or more requests have work, each request's prefill tokens per step are
-        # capped like one long prompt's chunk, so one request's many prompts cannot make
-        # every step long (each step is every running request's inter-token latency)
-        group_cap = self.long_prefill_token_threshold if self._contended() else budget
+        # a request's prompts x n are prefilled like one long prompt: at most one chunk's
+        # tokens per step, so its many prompts cannot make every step long (each step is
+        # every running request's inter-token latency, and a newcomer waits for one)
+        group_cap = self.long_prefill_token_threshold
         prefill_left: dict[str, int] = {}
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -165,13 +165,6 @@ class Scheduler:
             budget -= n
             prefill_left[group] = prefill_left.get(group, group_cap) - n
         return scheduled
-
-    def _contended(self) -> bool:
-        """Whether two or more groups have sequences (running or waiting)."""
-        running, waiting = len(self._running_of), self.waiting.num_groups
-        if running > 1 or waiting > 1:
-            return True
-        return running == waiting == 1 and next(iter(self._running_of)) != next(self.waiting.groups())
 
     def _next_group(self, spent: set[str]) -> str | None:
         """The group to admit from: the first waiting group with nothing running, else the
