@@ -251,6 +251,18 @@ def test_one_requests_prompts_are_prefilled_like_one_long_prompt():
     assert sum(n for r, n in scheduled if r.group == "big") <= 32
 
 
+def test_prefix_cache_counts_each_admitted_prompt_once():
+    """A lookup undone because the request's prefill tokens are spent for the step (or the
+    pool is short) is taken back out of the counters: /metrics' prefix-cache hit rate."""
+    s = scheduler(num_blocks=512, max_num_seqs=32, budget=64)
+    rng = random.Random(0)
+    for i in range(50):
+        s.add(seq(f"big-{i}", "big", prompt_len=5, max_tokens=1))
+    while s.has_unfinished():
+        step(s, rng)
+    assert s.block_manager.prefix_cache_queries == 50 * 5 and s.num_preemptions == 0
+
+
 def test_single_sequence_requests_keep_arrival_order_and_are_never_preempted_for_fairness():
     s = scheduler(num_blocks=256, max_num_seqs=2, budget=64)
     rng = random.Random(0)

@@ -76,6 +76,16 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         self.prefix_cache_hits += seq.num_computed_tokens
 
+    def cancel_prefix(self, seq: Sequence) -> None:
+        """Undo ``allocate_prefix`` for a sequence that is not admitted after all: free its
+        blocks, reset its progress and take its lookup back out of the hit counters (it
+        will be looked up again when it is admitted)."""
+        if self.enable_prefix_caching and seq.params.prompt_logprobs is None:
+            self.prefix_cache_queries -= seq.num_tokens
+            self.prefix_cache_hits -= seq.num_computed_tokens
+        self.free(seq)
+        seq.num_computed_tokens = 0
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow ``seq.block_table`` to hold its computed tokens plus ``num_new_tokens``.
 

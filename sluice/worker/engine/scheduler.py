@@ -149,13 +149,11 @@ class Scheduler:
             self.block_manager.allocate_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_limit(seq))
             if n > prefill_left.get(group, group_cap):  # a short prompt is never split for it
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
+                self.block_manager.cancel_prefix(seq)
                 spent.add(group)
                 continue
             if not self.block_manager.allocate_slots(seq, n):
-                self.block_manager.free(seq)
-                seq.num_computed_tokens = 0
+                self.block_manager.cancel_prefix(seq)
                 break
             self.waiting.pop(group)
             seq.status = SequenceStatus.RUNNING
