@@ -73,6 +73,8 @@ def metric(url: str, name: str) -> float:
 
 def test_health_models_and_tokenizer(worker_url):
     assert httpx.get(f"{worker_url}/health").status_code == 200
+    live = httpx.get(f"{worker_url}/livez")  # the pod's liveness probe
+    assert (live.status_code, live.json()) == (200, {"status": "alive"})
     models = httpx.get(f"{worker_url}/v1/models").json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [MODEL]

@@ -11,8 +11,10 @@ event (injected: nothing a client sends wedges the loop).
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import json
+import os
 import socket
 import sys
 import threading
@@ -490,3 +492,282 @@ def test_wedged_then_dead_engine_fails_health_and_the_router_goes_elsewhere(
                 assert status == 200 and events[-1] == "[DONE]", events
                 assert not any('"error"' in e for e in events)
             assert wait_until(lambda: ready() == {worker_url}, 30)
+
+
+# --------------------------------------------------------------------------- fuzz
+
+# Property-based fuzz of the OpenAI request schema (completions and chat) and the routing
+# headers, against a real worker and a real router in front of it (cases go to each in
+# turn). A case is a well-formed request with up to three fields (or
+# headers) replaced by wild values (types, ranges, huge/NaN/negative numbers, unicode with
+# lone surrogates, nested junk), or a junk body. Every max_tokens drawn is either small
+# (<= 4) or invalid, so a valid case ends in a few engine steps.
+
+FUZZ_EXAMPLES = 200  # about a minute on a 2-core machine shared with other test runs
+FUZZ_TIMEOUT_S = 60.0  # per request: longer is a hung request
+
+
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                       st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
+    junk = st.recursive(scalar, lambda inner: st.lists(inner, max_size=3)
+                        | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                        max_leaves=6)
+    not_numeric = st.one_of(st.lists(junk, max_size=2), st.dictionaries(st.text(max_size=4), junk,
+                            max_size=2), st.text(alphabet="abcxyz ", max_size=6))
+    huge = st.sampled_from([2**31 - 1, 2**31, -2**31, 2**63 - 1, 2**63, 2**64, -2**63 - 1,
+                            10**30, -10**30])
+    special = st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e-300, -0.0, 5e-324,
+                               1e308, -1e308])
+
+    def wild_number(integer: bool = False):
+        return st.one_of(huge, special, st.integers(-1000, -1), st.floats(-10, 10), junk,
+                         st.integers(0, 10**6) if integer else st.floats(0, 1e6))
+
+    # a text no tokenizer reads (lone surrogates) is a 400, as is anything past the limits
+    safe_text = st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=40)
+    wild_text = st.one_of(st.text(max_size=40), st.sampled_from([
+        "\ud800", "a\udfffb", "\x00", "😀" * 20, "𝔘𝔫𝔦", "", " ", "<|im_end|>", "\u202e",
+        "a" * 300]))
+    token_ids = st.lists(st.integers(0, 49151), min_size=1, max_size=20)
+    wild_ids = st.lists(st.one_of(st.integers(0, 49151), st.integers(-5, -1), huge),
+                        max_size=20)
+    message = st.fixed_dictionaries({
+        "role": st.sampled_from(["system", "user", "assistant", "user"]),
+        "content": st.one_of(safe_text, st.lists(st.fixed_dictionaries(
+            {"type": st.just("text"), "text": safe_text}), min_size=1, max_size=2))})
+    wild_message = st.one_of(st.fixed_dictionaries({
+        "role": st.sampled_from(["tool", "developer", "wizard", "", "user"]),
+        "content": st.one_of(wild_text, st.none(), junk, st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["image_url", "junk", "text"]), "text": wild_text}),
+            max_size=2))}), junk)
+    # never None or a numeric string: a missing max_tokens means "the rest of the context"
+    wild_max_tokens = st.one_of(st.integers(-5, -1), huge, st.integers(9000, 10**9), special,
+                                st.floats(0.1, 2.9), st.booleans(), not_numeric)
+    valid = {
+        "max_tokens": st.integers(1, 4), "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1),
+        "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0.5, 2), "seed": st.integers(0, 2**32),
+        "n": st.integers(1, 2), "stop": st.lists(safe_text, max_size=3),
+        "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+        "stream": st.booleans(), "ignore_eos": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "priority": st.integers(-10, 10),
+    }
+    wild = {
+        "model": st.one_of(junk, wild_text.filter(_utf8)),  # (see the surrogate test below)
+        "max_tokens": wild_max_tokens, "max_completion_tokens": wild_max_tokens,
+        "temperature": wild_number(), "top_p": wild_number(), "top_k": wild_number(True),
+        "min_p": wild_number(), "presence_penalty": wild_number(),
+        "frequency_penalty": wild_number(), "repetition_penalty": wild_number(),
+        "seed": wild_number(True), "n": st.one_of(st.sampled_from([0, 128, 129, 2**40]), junk),
+        "stop": st.one_of(wild_text, st.lists(wild_text, max_size=20), junk),
+        "stop_token_ids": st.one_of(wild_ids, junk), "stream": junk, "stream_options": junk,
+        "ignore_eos": junk, "echo": junk, "logprobs": st.one_of(wild_number(True), junk),
+        "top_logprobs": wild_number(True), "priority": wild_number(True),
+        "logit_bias": junk, "user": junk, "response_format": junk, "tools": junk,
+        "unknown_field": junk,
+    }
+
+    def with_wild(base: dict, extra: dict):
+        names = st.sampled_from(sorted({*wild, *extra}))
+        swaps = st.lists(names.flatmap(lambda f: st.tuples(st.just(f), {**wild, **extra}[f])),
+                         max_size=3)
+        optional = {k: v for k, v in valid.items() if k not in base}
+        return st.tuples(st.fixed_dictionaries(base, optional=optional), swaps).map(
+            lambda t: {**t[0], **dict(t[1])})
+
+    completions = with_wild(
+        {"model": st.just(MODEL), "max_tokens": valid["max_tokens"],
+         "prompt": st.one_of(safe_text, st.lists(safe_text, min_size=1, max_size=2), token_ids,
+                             st.lists(token_ids, min_size=1, max_size=2))},
+        {"prompt": st.one_of(wild_text, st.lists(wild_text, max_size=4), wild_ids,
+                             st.lists(wild_ids, max_size=3), junk),
+         "echo": st.one_of(st.booleans(), junk), "logprobs": st.integers(0, 5)})
+    chat = with_wild(
+        {"model": st.just(MODEL), "max_tokens": valid["max_tokens"],
+         "messages": st.lists(message, min_size=1, max_size=3)},
+        {"messages": st.one_of(st.lists(wild_message, max_size=3), junk),
+         "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)})
+    raw = st.one_of(st.binary(max_size=64), st.sampled_from([
+        b"", b"{", b"[]", b"null", b'"x"', b"[" * 5000 + b"]" * 5000, b'{"model": ' * 3000,
+        b"\xff\xfe{}", b'{"model": "%s", "prompt": "hi", "max_tokens": 1e400}' % MODEL.encode(),
+        b'{"model": "%s", "prompt": "hi", "max_tokens": 2, "n": NaN}' % MODEL.encode()]))
+    header_text = st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126),
+                          max_size=16).filter(lambda v: v == v.strip())  # (HTTP's rule)
+    header_value = st.one_of(st.integers(1, 10**4).map(str), st.integers(-10, 10).map(str),
+                             st.integers(-2**64, 2**64).map(str), st.floats().map(repr),
+                             st.sampled_from(["1e12", "1e400", "-2147483648", "nan", "inf",
+                                              "-0", "0", "", "1_000", "0x10"]), header_text)
+    headers = st.dictionaries(st.sampled_from(["x-slo-ttft-ms", "x-slo-itl-ms", "x-priority"]),
+                              header_value, max_size=3)
+    body = st.one_of(completions.map(lambda b: ("/v1/completions", b)),
+                     chat.map(lambda b: ("/v1/chat/completions", b)),
+                     completions.map(lambda b: ("/v1/completions", b)),
+                     chat.map(lambda b: ("/v1/chat/completions", b)),
+                     st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+                               raw))
+    return st.tuples(body, headers)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _encode(body) -> bytes:
+    if isinstance(body, bytes):
+        return body
+    # NaN/Infinity as JSON extensions and lone surrogates as \\u escapes: what a careless
+    # client (or Python's json) sends
+    return json.dumps(body, ensure_ascii=True, allow_nan=True).encode()
+
+
+def _check_answer(where: str, case, r: httpx.Response) -> None:
+    """Never a 5xx; an error is an OpenAI error body; a 200 stream ends with [DONE] and
+    carries no error event; a 200 body has choices."""
+    assert r.status_code < 500, f"{where}: {r.status_code} {r.text[:500]} for {case!r}"
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["message"] and error["type"], f"{where}: {r.text} for {case!r}"
+        return
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = sse_events(r.content)
+        assert events and events[-1] == "[DONE]", f"{where}: {r.text[-500:]} for {case!r}"
+        assert not any(e.startswith('{"error"') for e in events), f"{where}: {r.text[-500:]}"
+    else:
+        assert r.json()["choices"], f"{where}: {r.text[:500]} for {case!r}"
+
+
+@pytest.fixture(scope="module")
+def fuzz_stack(model_path, tmp_path_factory):
+    """A worker of its own (one torch thread: several times faster than the default on a
+    machine whose cores other test runs share) and a router in front of it."""
+    logs = tmp_path_factory.mktemp("fuzz")
+    worker_port, router_port = free_port(), free_port()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # (inherited by the worker process only)
+    try:
+        worker = serve(["worker", "--model", str(model_path), "--served-model-name", MODEL,
+                        "--port", str(worker_port)], worker_port, log=logs / "worker.log")
+        worker_url = worker.__enter__()
+    finally:
+        if threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
+    try:
+        with serve(["router", "--port", str(router_port), "--worker", worker_url], router_port,
+                   log=logs / "router.log") as router_url:
+            yield worker_url, router_url
+    finally:
+        worker.__exit__(None, None, None)
+
+
+def _well_formed_streams(router: str, stop: threading.Event, results: list,
+                         durations: list) -> None:
+    """Chat streams through the router, one after another, until ``stop``: each must end
+    with [DONE], no error event, and all its 32 tokens."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to fifty."}],
+            "max_tokens": 32, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            with httpx.stream("POST", f"{router}/v1/chat/completions", json=body,
+                              timeout=FUZZ_TIMEOUT_S * 2) as r:
+                events = sse_events(r.read())
+            usage = json.loads(events[-2]).get("usage") or {}
+            ok = r.status_code == 200 and events[-1] == "[DONE]" and \
+                usage.get("completion_tokens") == 32 and \
+                not any(e.startswith('{"error"') for e in events)
+            results.append(ok or (r.status_code, events[-3:]))
+            durations.append(time.monotonic() - started)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            results.append(repr(exc))
+
+
+@pytest.mark.slow
+def test_fuzz_openai_schema_and_routing_headers(fuzz_stack, record_property):
+    """Hypothesis (derandomized) over completions and chat bodies and the routing headers,
+    each case sent to the worker directly or through the router: never a 5xx, never a hung
+    request; a well-formed stream running all along completes unaffected; afterwards the
+    worker is idle with no KV cache in use and the router has nothing in flight."""
+    from hypothesis import HealthCheck, given, settings
+
+    worker_url, fuzz_router = fuzz_stack
+    cases: list = []
+    stop, streams, durations, statuses = threading.Event(), [], [], collections.Counter()
+    background = threading.Thread(target=_well_formed_streams,
+                                  args=(fuzz_router, stop, streams, durations))
+
+    @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_fuzz_strategies())
+    def one_case(case) -> None:
+        (path, body), headers = case
+        where = ("router", "worker")[len(cases) % 2]
+        cases.append(case)
+        url = fuzz_router if where == "router" else worker_url
+        try:
+            r = httpx.post(f"{url}{path}", content=_encode(body), timeout=FUZZ_TIMEOUT_S,
+                           headers={"content-type": "application/json", **headers})
+        except httpx.TimeoutException:
+            pytest.fail(f"{where}: no answer in {FUZZ_TIMEOUT_S} s for {case!r}")
+        _check_answer(where, case, r)
+        statuses[where, r.status_code] += 1
+
+    started = time.monotonic()
+    background.start()
+    try:
+        one_case()
+    finally:
+        stop.set()
+        background.join(FUZZ_TIMEOUT_S * 3)
+    elapsed = time.monotonic() - started
+    record_property("fuzz_cases", len(cases))
+    print(f"\nfuzz: {len(cases)} cases in {elapsed:.0f} s; "
+          f"{len(streams)} concurrent well-formed streams "
+          f"({', '.join(f'{d:.1f}' for d in durations)} s); {dict(statuses)}")
+    assert streams and all(s is True for s in streams), streams
+    assert wait_until(lambda: metric(worker_url, names.NUM_RUNNING) == 0
+                      and metric(worker_url, names.NUM_WAITING) == 0
+                      and metric(worker_url, names.KV_CACHE_USAGE) == 0, 30, 0.2)
+    assert wait_until(lambda: metric(fuzz_router, names.ROUTER_IN_FLIGHT) == 0, 10)
+
+
+@pytest.mark.slow
+def test_router_ttft_of_a_chat_stream_is_taken_at_the_first_token(fuzz_stack):
+    """The router's TTFT of a chat stream counts from its own arrival to the first chunk,
+    which the worker sends with the first token (its role chunk included): so it is at least
+    the worker's TTFT of that request."""
+    worker, router = fuzz_stack
+    before = {url: (metric(url, name + "_sum"), metric(url, name + "_count"))
+              for url, name in ((worker, names.TTFT), (router, names.ROUTER_TTFT))}
+    prompt = " ".join(f"item {i}," for i in range(40))
+    status, events = _stream(router, {"messages": [{"role": "user", "content": prompt}],
+                                      "max_tokens": 2, "temperature": 0})
+    assert status == 200 and events[-1] == "[DONE]"
+    assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert metric(worker, names.TTFT + "_count") == before[worker][1] + 1
+    assert metric(router, names.ROUTER_TTFT + "_count") == before[router][1] + 1
+    worker_ttft = metric(worker, names.TTFT + "_sum") - before[worker][0]
+    router_ttft = metric(router, names.ROUTER_TTFT + "_sum") - before[router][0]
+    assert router_ttft >= worker_ttft > 0, (router_ttft, worker_ttft)
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="router bug: its 404 echoes a model name with a lone "
+                   "surrogate, which JSONResponse cannot encode: a plain-text 500")
+def test_router_model_name_with_a_lone_surrogate_is_a_4xx(fuzz_stack):
+    """Found by the fuzz; the router's to fix (sluice/router/app.py ``_parse``). The worker
+    answers 400 naming the field (``server._check_unicode``)."""
+    raw = b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 1}'
+    r = httpx.post(f"{fuzz_stack[1]}/v1/completions", content=raw, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"], r.text
