@@ -762,11 +762,10 @@ def test_router_ttft_of_a_chat_stream_is_taken_at_the_first_token(fuzz_stack):
     assert router_ttft >= worker_ttft > 0, (router_ttft, worker_ttft)
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="router bug: its 404 echoes a model name with a lone "
-                   "surrogate, which JSONResponse cannot encode: a plain-text 500")
 def test_router_model_name_with_a_lone_surrogate_is_a_4xx(fuzz_stack):
-    """Found by the fuzz; the router's to fix (sluice/router/app.py ``_parse``). The worker
-    answers 400 naming the field (``server._check_unicode``)."""
+    """Found by the fuzz: the router's 404 echoed the name, which JSONResponse could not
+    encode (a plain-text 500); it is escaped now. The worker answers 400 naming the field
+    (``server._check_unicode``)."""
     raw = b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 1}'
     r = httpx.post(f"{fuzz_stack[1]}/v1/completions", content=raw, timeout=30,
                    headers={"content-type": "application/json"})

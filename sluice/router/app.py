@@ -296,7 +296,8 @@ def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response
     if well_formed and not endpoints.any_models_known():
         return {}, openai_error(503, "no worker has reported its models yet; retry shortly",
                                 "server_error", code="no_ready_worker")
-    return {}, openai_error(404, f"The model `{model}` does not exist.",
+    shown = model.encode("utf-8", "backslashreplace").decode()  # a lone surrogate is not UTF-8
+    return {}, openai_error(404, f"The model `{shown}` does not exist.",
                             "invalid_request_error", "model", "model_not_found")
 
 
