@@ -330,7 +330,8 @@ def test_an_abort_that_arrives_with_its_add_still_aborts(model_path):
     try:
         prompt = engine.engine.tokenizer.encode(PROMPTS[0])
         with engine._lock:  # the state the step thread finds after a long step
-            engine._pending_adds.append(("gone", prompt, greedy(max_tokens=1000, ignore_eos=True)))
+            engine._pending_adds.append(
+                ("gone", prompt, greedy(max_tokens=1000, ignore_eos=True), None))
             engine._pending_aborts.append("gone")
         engine._wakeup.set()
         deadline = time.monotonic() + 30
@@ -338,6 +339,7 @@ def test_an_abort_that_arrives_with_its_add_still_aborts(model_path):
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not engine.engine.has_unfinished_requests()
+        assert engine._thread.is_alive(), "the engine thread died on the batch"
         assert_pool_idle(engine.engine)
     finally:
         engine.shutdown()
