@@ -41,6 +41,18 @@ class FairQueue:
         queue = self._groups.get(seq.group)
         return queue is not None and seq in queue
 
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    def has_group(self, group: str) -> bool:
+        return group in self._groups
+
+    def group_size(self, group: str) -> int:
+        """Waiting sequences of ``group``."""
+        queue = self._groups.get(group)
+        return 0 if queue is None else len(queue)
+
     def groups(self) -> Iterator[str]:
         """Groups with waiting sequences, front of the rotation first."""
         return iter(self._groups)

@@ -20,11 +20,15 @@ queue to be recomputed.
 Fairness between requests: sequences carry a ``group`` (the API request they belong to: one
 per prompt × n share it). Waiting sequences queue per group (``FairQueue``); admission takes
 first a group with nothing running (oldest first), else the next group in round-robin
-order, so one request's thousands of sequences cannot hold the queue. One request's prefill
-tokens per step are capped at ``long_prefill_token_threshold``, as one long prompt's chunk
-is: a request of 2,000 short prompts is prefilled like one long prompt, so its steps stay
-as short as a chunk's (each step is every running request's inter-token latency, and a
-newcomer first waits for the step under way). Round-robin alone
+order, so one request's thousands of sequences cannot hold the queue. A request of several
+sequences that shares the engine with other requests is prefilled like one long prompt: per
+step, ``long_prefill_token_threshold`` tokens shared equally between the requests that have
+work (its first chunk of a step is never cut, so it always progresses), so the steps it
+shares with others stay short (each step is every running request's inter-token latency).
+Alone, it fills the budget as before (2,000 prompts x n 8: 64 prompts a step, 3x the
+throughput of one chunk a step), so a newcomer first waits for one such step. Requests of
+one sequence keep their chunk as before.
+Round-robin alone
 only helps once slots free up; when the batch is full (``max_num_seqs``) or the pool too
 short for a waiting group that has nothing running, the most recently admitted sequence of
 the group running the most sequences (at least two) is preempted to make room — so a new
@@ -106,11 +110,10 @@ class Scheduler:
         """
         self._preempt_for_fairness()
         budget = self.max_num_batched_tokens
-        # a request's prompts x n are prefilled like one long prompt: at most one chunk's
-        # tokens per step, so its many prompts cannot make every step long (each step is
-        # every running request's inter-token latency, and a newcomer waits for one)
-        group_cap = self.long_prefill_token_threshold
+        # prefill tokens each request (group) may still run this step; a request's first
+        # chunk of the step is never cut by it (see _prefill_cap)
         prefill_left: dict[str, int] = {}
+        share = self._fan_out_share()
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
         i = 0
@@ -123,8 +126,9 @@ class Scheduler:
             else:  # prefill chunk: leave a token for each later decode in the batch
                 later_decodes = sum(1 for s in self.running[i + 1:]
                                     if s.num_tokens - s.num_computed_tokens == 1)
+                left = prefill_left.get(seq.group)
                 n = min(gap, budget - later_decodes, self.chunk_limit(seq),
-                        prefill_left.get(seq.group, group_cap))
+                        *(() if left is None else (left,)))
                 if n <= 0:
                     i += 1
                     continue
@@ -138,7 +142,8 @@ class Scheduler:
                 scheduled.append((seq, n))
                 budget -= n
                 if gap > 1:
-                    prefill_left[seq.group] = prefill_left.get(seq.group, group_cap) - n
+                    prefill_left[seq.group] = prefill_left.get(
+                        seq.group, self._prefill_cap(seq.group, share)) - n
                 i += 1
         spent: set[str] = set()  # groups out of prefill tokens this step
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -148,7 +153,7 @@ class Scheduler:
             seq = self.waiting.peek(group)
             self.block_manager.allocate_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_limit(seq))
-            if n > prefill_left.get(group, group_cap):  # a short prompt is never split for it
+            if n > prefill_left.get(group, n):  # a short prompt is never split for it
                 self.block_manager.cancel_prefix(seq)
                 spent.add(group)
                 continue
@@ -161,8 +166,26 @@ class Scheduler:
             self._running_of[seq.group] += 1
             scheduled.append((seq, n))
             budget -= n
-            prefill_left[group] = prefill_left.get(group, group_cap) - n
+            prefill_left[group] = prefill_left.get(group, self._prefill_cap(group, share)) - n
         return scheduled
+
+    def _fan_out_share(self) -> int:
+        """Prefill tokens per step for a request of several sequences: the whole budget
+        when it is the only request with work; else the chunk threshold shared equally
+        between the requests that have work (at least 1). O(max_num_seqs)."""
+        running_only = sum(1 for g in self._running_of if not self.waiting.has_group(g))
+        active = running_only + self.waiting.num_groups
+        if active <= 1:
+            return self.max_num_batched_tokens
+        return max(1, self.long_prefill_token_threshold // active)
+
+    def _prefill_cap(self, group: str, share: int) -> int:
+        """The prefill tokens ``group`` may run in a step: a request of one sequence, its
+        chunk (``chunk_limit``, unchanged); a request of several (prompts x n), ``share``.
+        Either way its first chunk of a step is never cut (so it always progresses)."""
+        if self._running_of[group] + self.waiting.group_size(group) <= 1:
+            return self.long_prefill_token_threshold
+        return share
 
     def _next_group(self, spent: set[str]) -> str | None:
         """The group to admit from: the first waiting group with nothing running, else the
