@@ -320,24 +320,34 @@ def test_client_disconnect_aborts_generation(worker_url, streamed):
 
     async def start_then_leave() -> float:
         async with httpx.AsyncClient(timeout=120) as client:
+            first_token = asyncio.Event()
+
             async def request():
                 if streamed:
                     async with client.stream("POST", f"{worker_url}/v1/completions",
                                              json=body) as r:
-                        async for _ in r.aiter_lines():
-                            pass
+                        assert r.status_code == 200, (r.status_code, await r.aread())
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                first_token.set()
                 else:
-                    await client.post(f"{worker_url}/v1/completions", json=body)
+                    r = await client.post(f"{worker_url}/v1/completions", json=body)
+                    raise AssertionError(f"answered before the client left: {r.status_code}")
 
             def busy() -> float:
                 return metric(worker_url, names.NUM_RUNNING) + metric(worker_url, names.NUM_WAITING)
 
             task = asyncio.create_task(request())
-            # vLLM's gauges move once its engine core has run a step: poll, do not guess
+            # a stream is in the engine once a token came; a plain request once the gauges
+            # say so (vLLM's move once its engine core has run a step): poll, do not guess
             until = time.monotonic() + 60
-            while not await asyncio.to_thread(busy) and time.monotonic() < until:
+            while not (first_token.is_set() if streamed else await asyncio.to_thread(busy)) \
+                    and not task.done() and time.monotonic() < until:
                 await asyncio.sleep(0.1)
-            assert await asyncio.to_thread(busy) >= 1, "the request was not in the engine"
+            if task.done():
+                task.result()  # raises what ended the request early
+            assert first_token.is_set() if streamed else await asyncio.to_thread(busy) >= 1, \
+                "the request was not in the engine"
             task.cancel()  # closes the connection
             await asyncio.gather(task, return_exceptions=True)
             return time.monotonic()
