@@ -211,6 +211,30 @@ def test_deleted_children_are_put_back(sluice: Sluice):
         delete_isvc(sluice, name)
 
 
+def test_an_edited_worker_deployment_is_put_back(sluice: Sluice):
+    """Someone edits the worker Deployment's image by hand: the periodic
+    reconcile (--resync-seconds, 30 s) applies the spec over it (issue 10, item 9)."""
+    name = "drift"
+    sluice.kubectl.apply(manifest(name, f"{name}-model", replicas=0))
+    try:
+        def image() -> str | None:
+            found = sluice.kubectl.get("deployment", f"{name}-worker")
+            return found["spec"]["template"]["spec"]["containers"][0]["image"] if found else None
+
+        original = wait_for(f"{name}: its Deployment", image, SHORT_TIMEOUT_S,
+                            lambda: sluice.state((name,)))
+        patch = {"spec": {"template": {"spec": {"containers": [
+            {"name": "worker", "image": "edited-by-hand:1"}]}}}}
+        sluice.kubectl.run("patch", "deployment", f"{name}-worker", "--type=strategic",
+                           "-p", json.dumps(patch))
+        assert image() == "edited-by-hand:1"
+        wait_for(f"{name}: the image put back to {original}",
+                 lambda: image() == original or None, 2 * SHORT_TIMEOUT_S,
+                 lambda: sluice.state((name,)))
+    finally:
+        delete_isvc(sluice, name)
+
+
 def test_gpu_request_is_degraded_with_the_schedulers_message(sluice: Sluice):
     nodes = sluice.kubectl.get("nodes", namespaced=False)
     if any("nvidia.com/gpu" in (n["status"].get("allocatable") or {}) for n in nodes):

@@ -250,12 +250,37 @@ def test_a_deleted_child_is_recreated_unless_the_owner_is_going():
     run(ctl.child_deleted("team-a", "gone"))  # owner already deleted: nothing to do
 
 
-def test_resync_refreshes_every_service_and_forget_drops_state():
+def test_resync_reconciles_a_failed_recreate_and_an_edited_deployment():
+    """The periodic reconcile converges to the spec: a re-create that failed once is
+    retried, and a hand-edited worker Deployment is applied over (the real apiserver's
+    server-side apply proof is e2e's test_an_edited_worker_deployment_is_put_back)."""
+    kube = FakeKube(isvc())
+    ctl = controller(kube)
+    kube.refuse = ApiError(500, "etcd timeout")
+    with pytest.raises(ApiError):
+        run(ctl.child_deleted("team-a", "smol"))
+    assert kube.deployments == {}
+    kube.refuse = None
+    run(ctl.resync(["team-a"]))
+    deployment = kube.deployments[("team-a", "smol-worker")]
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["image"] = "edited:latest"
+    run(ctl.resync(["team-a"]))
+    edited = kube.deployments[("team-a", "smol-worker")]
+    assert edited["spec"]["template"]["spec"]["containers"][0]["image"] == image
+    kube.isvcs[("team-a", "smol")]["metadata"]["deletionTimestamp"] = NOW
+    applied = len(kube.applied)
+    run(ctl.resync(["team-a"]))  # an object being deleted is left to the garbage collector
+    assert len(kube.applied) == applied
+
+
+def test_resync_reconciles_every_service_and_forget_drops_state():
     kube = FakeKube(isvc(), isvc(name="other", namespace="team-b"))
     kube.list_pods = _any_pods
     ctl = controller(kube)
     run(ctl.resync([None]))
-    assert kube.condition("Ready") == ("False", "Creating")
+    assert sorted(kube.deployments) == [("team-a", "smol-worker"), ("team-b", "other-worker")]
+    assert kube.condition("Ready") == ("False", "NoReplicasReady")
     assert kube.isvcs[("team-b", "other")]["status"]["endpoint"] == \
         "http://other-worker.team-b.svc:8000"
     ctl.forget("team-a", "smol")

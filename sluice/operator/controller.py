@@ -217,12 +217,19 @@ class Controller:
         return Probe(url, response.status_code == 200, f"HTTP {response.status_code}")
 
     async def resync(self, namespaces: list[str | None]) -> None:
-        """Refresh every InferenceService in these namespaces (None: all): catches what no
-        event announces, such as a worker that stops answering /health."""
+        """Reconcile every InferenceService in these namespaces (None: all), the periodic
+        reconcile: server-side apply puts back what someone edited in a child (a Deployment's
+        image, args or replicas), re-creates a child whose re-create failed before, and the
+        refresh catches what no event announces (a worker that stops answering /health).
+        One object's failure is logged and does not stop the others."""
         for namespace in namespaces:
             for body in await self.kube.list_isvcs(namespace):
+                if (body.get("metadata") or {}).get("deletionTimestamp"):
+                    continue
                 try:
-                    await self.refresh(*_key(body))
+                    await self.reconcile(body)
+                except InvalidSpec:
+                    pass  # written as the condition
                 except ApiError as exc:
                     logger.warning("resync of %s/%s failed: %s", *_key(body), exc)
 

@@ -4,8 +4,10 @@
                       an update that only changes spec.replicas → Controller.scale
     worker Deployment, Pod, Endpoints events    → Controller.refresh of the owner
                       (a deleted Deployment or Service is put back)
-    every --resync-seconds                      → Controller.resync (catches what no event
-                                                  announces, e.g. /health stops answering)
+    every --resync-seconds                      → Controller.resync: reconcile every one
+                                                  (heals edited or missing children; catches
+                                                  what no event announces, e.g. /health
+                                                  stops answering)
     every --autoscale-interval                  → Autoscaler.tick (autoscaler.py): routers'
                                                   demand → policy → spec.replicas through
                                                   the scale subresource; a lower count is

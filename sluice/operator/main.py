@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="report Ready from the Deployment and Endpoints alone, without "
                              "GETting a worker's /health (when the operator cannot reach pods)")
     parser.add_argument("--resync-seconds", type=float, default=30.0,
-                        help="recompute every status this often (default: %(default)s)")
+                        help="reconcile every InferenceService this often: children edited or "
+                             "missing are put back, status recomputed (default: %(default)s)")
     parser.add_argument("--request-timeout", type=float, default=15.0,
                         help="seconds for each API request (default: %(default)s)")
     parser.add_argument("--watch-timeout", type=int, default=300,

@@ -34,7 +34,8 @@ class OperatorOptions:
         config: what worker pods look like.
         namespaces: the namespaces served; empty: all of them.
         probe: GET a ready worker's /health before reporting Ready.
-        resync_seconds: how often every InferenceService's status is recomputed.
+        resync_seconds: how often every InferenceService is reconciled again (drift repair
+            and a status refresh).
         request_timeout: seconds for each API request the operator makes.
         watch_timeout: seconds the API server keeps one watch open (kopf reconnects).
         autoscale_interval: seconds between the autoscaler's rounds.
