@@ -211,6 +211,36 @@ def test_deleted_children_are_put_back(sluice: Sluice):
         delete_isvc(sluice, name)
 
 
+def test_a_second_service_of_one_served_name_gets_conflict(sluice: Sluice):
+    """Two InferenceServices declare one served model name: the later one gets
+    Conflict=True (ServedNameInUse, naming the older) and Ready=False; when the older is
+    deleted, the periodic reconcile clears it (issue 10, item 8). Replicas 0: no model loads;
+    that the router routes only to the older is test_router_dispatch's serving()."""
+    first, second = "served-first", "served-second"
+    sluice.kubectl.apply(manifest(first, "shared-name", replicas=0))
+    try:
+        wait_for(f"{first}: a status", lambda: (sluice.isvc(first) or {}).get("status"),
+                 SHORT_TIMEOUT_S, lambda: sluice.state((first,)))
+        time.sleep(1.1)  # creationTimestamp has one-second resolution
+        sluice.kubectl.apply(manifest(second, "shared-name", replicas=0))
+        isvc = wait_for(f"{second}: Conflict=True",
+                        lambda: (lambda i: i if condition(i, "Conflict").get("status") == "True"
+                                 else None)(sluice.isvc(second)),
+                        SHORT_TIMEOUT_S, lambda: sluice.state((first, second)))
+        conflict = condition(isvc, "Conflict")
+        assert conflict["reason"] == "ServedNameInUse"
+        assert f"already served by InferenceService '{first}'" in conflict["message"]
+        assert condition(isvc, "Ready")["reason"] == "ServedNameConflict"
+        assert not condition(sluice.isvc(first), "Conflict")
+        delete_isvc(sluice, first)
+        wait_for(f"{second}: Conflict gone", lambda: not condition(
+            sluice.isvc(second), "Conflict") or None, 2 * SHORT_TIMEOUT_S,
+                 lambda: sluice.state((second,)))
+    finally:
+        delete_isvc(sluice, first)
+        delete_isvc(sluice, second)
+
+
 def test_an_edited_worker_deployment_is_put_back(sluice: Sluice):
     """Someone edits the worker Deployment's image by hand: the periodic
     reconcile (--resync-seconds, 30 s) applies the spec over it (issue 10, item 9)."""

@@ -236,6 +236,23 @@ def test_a_burst_at_two_routers_scales_up_through_the_scale_subresource():
                         reason="bounds") == 1
 
 
+def test_a_service_in_conflict_is_not_scaled():
+    """An InferenceService that reuses an older one's served name gets no traffic (the
+    Conflict condition), so the demand for that name never scales it."""
+    world = World(autoscaled_isvc())
+    world.body["metadata"]["creationTimestamp"] = "2026-12-01T09:00:00Z"
+    elder = autoscaled_isvc()
+    elder["metadata"].update(name="elder", creationTimestamp="2026-11-30T10:00:00Z")
+    world.kube.isvcs[("team-a", "elder")] = elder
+    world.kube.deployments[("team-a", "elder-worker")] = copy.deepcopy(
+        world.kube.deployments[("team-a", "smol-worker")])
+    world.tick()
+    burst(world)
+    world.tick()
+    assert world.autoscaler.state("team-a", "smol") is None
+    assert [name for name, _ in world.kube.isvc_scaled] == ["elder"]
+
+
 def test_demand_from_one_router_counts_as_much_as_from_two():
     world = World(autoscaled_isvc())
     world.tick()

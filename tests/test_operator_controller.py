@@ -274,6 +274,31 @@ def test_resync_reconciles_a_failed_recreate_and_an_edited_deployment():
     assert len(kube.applied) == applied
 
 
+def test_a_second_service_of_one_served_name_gets_the_conflict_condition():
+    """Two InferenceServices declare one spec.model.name: the later one is Ready=False
+    with Conflict=True naming the older (the router sends it no traffic); deleting the
+    older clears it at the next refresh."""
+    elder = isvc(name="elder")
+    elder["metadata"]["creationTimestamp"] = "2026-11-30T10:00:00Z"
+    smol = isvc()
+    smol["metadata"]["creationTimestamp"] = "2026-12-01T09:00:00Z"
+    other = isvc(name="other", model={"name": "another-model", "source": "sluice://x"})
+    kube = FakeKube(elder, smol, other)
+    kube.list_pods = _any_pods
+    ctl = controller(kube)
+    run(ctl.resync(["team-a"]))
+    assert kube.condition("Conflict") == ("True", "ServedNameInUse")
+    assert kube.condition("Ready") == ("False", "ServedNameConflict")
+    message = [c for c in kube.status()["conditions"] if c["type"] == "Conflict"][0]["message"]
+    assert "already served by InferenceService 'elder'" in message
+    assert kube.condition("Conflict", name="elder") == ("", "")
+    assert kube.condition("Conflict", name="other") == ("", "")
+    del kube.isvcs[("team-a", "elder")]
+    run(ctl.refresh("team-a", "smol"))
+    assert kube.condition("Conflict") == ("", "")
+    assert kube.condition("Ready") == ("False", "NoReplicasReady")
+
+
 def test_resync_reconciles_every_service_and_forget_drops_state():
     kube = FakeKube(isvc(), isvc(name="other", namespace="team-b"))
     kube.list_pods = _any_pods

@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from conftest import free_port, serve
-from sluice.router.discovery import Discovered, Reflector, discovered, ready_urls, served_model
+from sluice.api.service import served_model
+from sluice.router.discovery import Discovered, Reflector, discovered, ready_urls
 from sluice.router.endpoints import EndpointSet, Lease
 
 MODEL = "tiny-model"

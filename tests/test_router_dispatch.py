@@ -13,7 +13,7 @@ import pytest
 
 from sluice.api import metrics as names
 from sluice.router.admission import Rejected
-from sluice.router.discovery import ServiceView, model_settings, service_view
+from sluice.router.discovery import ServiceView, model_settings, service_view, serving
 from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
 from sluice.router.endpoints import Endpoint, EndpointSet, Lease, ModelSettings, WorkerLoad
 from sluice.router.policy import LeastLoadPolicy, PrefixPolicy, SLOPolicy
@@ -45,9 +45,17 @@ def test_service_view_and_settings_from_inferenceservices():
     assert service_view({"spec": {"model": {"name": "B"}, "slo": {"ttftMs": True},
                                   "routing": {"strategy": 3}}}) == ServiceView("B")
     assert service_view({}) == ServiceView(None)
-    views = {"x": ServiceView("A", 500.0), "w": ServiceView("A", 900.0),
-             "y": ServiceView("B"), "z": ServiceView(None, 100.0)}
-    assert model_settings(views) == {"A": ModelSettings(900.0), "B": ModelSettings()}
+    older, newer = "2026-11-30T10:00:00Z", "2026-12-01T09:00:00Z"
+    views = {"a": ServiceView("A", 500.0, created=newer), "w": ServiceView("A", 900.0,
+                                                                           created=older),
+             "y": ServiceView("B", created=newer), "x": ServiceView("B", 300.0, created=newer),
+             "z": ServiceView(None, 100.0)}
+    # of two services of one served name, the oldest serves it (a tie: the first name)
+    assert serving(views) == {"w": views["w"], "x": views["x"]}
+    assert model_settings(serving(views)) == {"A": ModelSettings(900.0),
+                                              "B": ModelSettings(300.0)}
+    assert service_view({"metadata": {"creationTimestamp": older},
+                         "spec": {"model": {"name": "A"}}}) == ServiceView("A", created=older)
 
 
 def test_each_model_gets_the_policy_its_inferenceservice_names():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -336,6 +337,40 @@ class InferenceService(BaseModel):
     spec: InferenceServiceSpec
     status: InferenceServiceStatus | None = Field(None, description="Written by the "
                                                   "operator; ignored on input.")
+
+
+def served_model(isvc: Mapping[str, Any]) -> str | None:
+    """``spec.model.name`` of an InferenceService as JSON, or None when it has none."""
+    name = ((isvc.get("spec") or {}).get("model") or {}).get("name")
+    return name if isinstance(name, str) and name else None
+
+
+def served_names(isvcs: list[Mapping[str, Any]]) -> dict[str, tuple[str | None, str]]:
+    """InferenceServices as JSON → ``served_name_owners``' input: name → (served model
+    name, creationTimestamp)."""
+    return {meta["name"]: (served_model(body), str(meta.get("creationTimestamp") or ""))
+            for body in isvcs if (meta := body.get("metadata") or {}).get("name")}
+
+
+def served_name_owners(services: Mapping[str, tuple[str | None, str]]) -> dict[str, str]:
+    """Which InferenceService serves each model name, when several of one namespace
+    declare it.
+
+    Args:
+        services: InferenceService name → (``spec.model.name`` or None,
+            ``metadata.creationTimestamp``, RFC 3339, so comparable as text).
+
+    Returns:
+        served model name → the one InferenceService that gets its traffic: the oldest,
+        ties broken by name. The others get the ``Conflict`` condition from the operator and
+        no traffic from the router, so an InferenceService that reuses a served name never
+        receives another service's prompts.
+    """
+    owners: dict[str, tuple[str, str]] = {}
+    for name, (model, created) in services.items():
+        if model is not None and (model not in owners or (created, name) < owners[model]):
+            owners[model] = (created, name)
+    return {model: name for model, (_, name) in owners.items()}
 
 
 def load_manifest(path: str | Path) -> InferenceService:

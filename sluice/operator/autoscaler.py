@@ -2,7 +2,8 @@
 ``spec.replicas`` through the scale subresource.
 
 Every ``--autoscale-interval`` seconds (a background task of the operator, never a kopf
-handler), for each InferenceService with ``spec.autoscaling.enabled``:
+handler), for each InferenceService with ``spec.autoscaling.enabled`` (and no ``Conflict``:
+the router sends an InferenceService that reuses an older one's served name no traffic):
 
     routers   GET /autoscale/demand of every router pod (routers.Routers), once per
               namespace; a router that does not answer is left out of the window
@@ -33,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.api.service import served_model, served_name_owners, served_names
 from sluice.autoscale.metrics import AutoscalerMetrics
 from sluice.autoscale.observe import Snapshot, observe
 from sluice.autoscale.policy import Config, Decision, Observation, State, recommend
@@ -89,8 +91,15 @@ class Autoscaler:
     async def tick(self, namespaces: list[str | None]) -> None:
         """One round over every autoscaled InferenceService of these namespaces (None:
         all). API errors about one object are logged; the next tick tries again."""
-        bodies = [b for ns in namespaces for b in await self.kube.list_isvcs(ns)
-                  if autoscaled(b)]
+        bodies: list[Mapping[str, Any]] = []
+        for listed_namespace in namespaces:
+            listed: dict[str, list[Mapping[str, Any]]] = {}
+            for body in await self.kube.list_isvcs(listed_namespace):
+                listed.setdefault(_key(body)[0], []).append(body)
+            for group in listed.values():  # one with a Conflict gets no traffic
+                owners = served_name_owners(served_names(group))
+                bodies += [b for b in group if autoscaled(b)
+                           and owners.get(served_model(b) or "") == _key(b)[1]]
         keys = {_key(b) for b in bodies}
         for key in [k for k in self._tracked if k not in keys]:
             del self._tracked[key]  # deleted, or autoscaling turned off: start anew later

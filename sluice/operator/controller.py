@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 
-from sluice.api.service import InferenceServiceStatus
+from sluice.api.service import InferenceServiceStatus, served_model, served_name_owners, \
+    served_names
 from sluice.operator import resources
 from sluice.operator.drain import Drainer
 from sluice.operator.kube import ApiError, KubeApi
@@ -186,16 +187,19 @@ class Controller:
         namespace, name = _key(body)
         invalid = self._invalid(body)
         worker = resources.worker_name(name)
-        deployment, pods, endpoints = await asyncio.gather(
+        deployment, pods, endpoints, neighbours = await asyncio.gather(
             self.kube.get_deployment(namespace, worker),
             self.kube.list_pods(namespace, resources.selector_string(name)),
-            self.kube.get_endpoints(namespace, worker))
+            self.kube.get_endpoints(namespace, worker),
+            self.kube.list_isvcs(namespace))
         probe = None
         addresses = ready_addresses(endpoints)
         if addresses and self._http is not None and invalid is None:
             probe = await self._probe(addresses[0])
+        owner = served_name_owners(served_names(neighbours)).get(served_model(body) or "")
         return compute_status(body, deployment, pods, endpoints, probe, self._clock(), invalid,
-                              observed=self._observed.get((namespace, name)))
+                              observed=self._observed.get((namespace, name)),
+                              conflict=owner if owner not in (None, name) else None)
 
     def _invalid(self, body: Mapping[str, Any]) -> str | None:
         refused = self._refused.get(_key(body))

@@ -11,6 +11,10 @@ InferenceService's status and its three conditions.
     Autoscaling  only while spec.autoscaling.enabled: True (the operator writes
                  spec.replicas within the bounds), naming the objective it scales for,
                  which with no spec.slo is the router's default TTFT objective.
+    Conflict     only while another, older InferenceService of the namespace declares the
+                 same spec.model.name (``served_name_owners``): True, ServedNameInUse,
+                 naming it; Ready is then False (ServedNameConflict): the router sends
+                 this one no traffic, and its autoscaler does not scale it.
 
 The autoscaler's fields (desiredReplicas, lastScaleTime, lastScaleReason, sloAttainment) are
 written by sluice.operator.autoscaler; a refresh keeps them as they are, except that with
@@ -29,6 +33,7 @@ from sluice.api.service import Condition, InferenceServiceStatus
 from sluice.operator.resources import WORKER_PORT_NAME, endpoint_url, selector_string
 
 READY, PROGRESSING, DEGRADED, AUTOSCALING = "Ready", "Progressing", "Degraded", "Autoscaling"
+CONFLICT = "Conflict"
 # The router's --slo-ttft-ms default (sluice.router.dispatch.DispatchSettings.slo_ttft_ms):
 # the objective of a model whose InferenceService sets no spec.slo.
 ROUTER_DEFAULT_TTFT_MS = 2000
@@ -122,7 +127,8 @@ def _deployment_problem(deployment: Mapping[str, Any] | None) -> Problem | None:
 def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None,
                    pods: list[Mapping[str, Any]], endpoints: Mapping[str, Any] | None,
                    probe: Probe | None, now: str, invalid: str | None = None,
-                   observed: int | None = None) -> InferenceServiceStatus:
+                   observed: int | None = None,
+                   conflict: str | None = None) -> InferenceServiceStatus:
     """The status to write.
 
     Args:
@@ -136,6 +142,8 @@ def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
         invalid: the InvalidSpec message, when the spec cannot be served.
         observed: the metadata.generation the operator last reconciled; None: unknown (after
             a restart, until it reconciles again), and the current status' value is kept.
+        conflict: the name of the older InferenceService that serves this one's model name,
+            when there is one (``served_name_owners``).
     """
     meta = body.get("metadata") or {}
     name, namespace = meta.get("name", ""), meta.get("namespace", "")
@@ -154,6 +162,13 @@ def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
     autoscaled = (spec.get("autoscaling") or {}).get("enabled") is True
     if autoscaled:
         conditions.append(_autoscaling(spec, invalid))
+    if conflict is not None and not invalid:
+        model = (spec.get("model") or {}).get("name")
+        message = (f"spec.model.name {model!r} is already served by InferenceService "
+                   f"{conflict!r}, created earlier: this one gets no traffic until that one "
+                   "is deleted or renames its model")
+        conditions[0] = (READY, "False", "ServedNameConflict", message)
+        conditions.append((CONFLICT, "True", "ServedNameInUse", message))
     before = _previous(body)
     previous = {c.type: c for c in before.conditions}
     generation = observed if observed is not None else before.observed_generation

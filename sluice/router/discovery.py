@@ -3,7 +3,8 @@
 Two list-then-watch loops, each in a daemon thread (the kubernetes client is synchronous, so
 the event loop never blocks on it), keep a small view of the router's namespace:
 
-    InferenceServices   name → spec.model.name, spec.slo      (serving.sluice.dev, read-only)
+    InferenceServices   name → spec.model.name, spec.slo      (serving.sluice.dev, read-only;
+                        of several declaring one served name, only the oldest counts)
     Endpoints (v1)      name → ready URLs on the port ``http``  (v1: EndpointSlice is only
                         (the operator's labels select them)      v1beta1 on Kubernetes 1.20)
 
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.api.service import API_VERSION
+from sluice.api.service import API_VERSION, served_model, served_name_owners
 from sluice.operator.resources import MANAGED_SELECTOR, PLURAL, WORKER_PORT_NAME, WORKER_SUFFIX
 from sluice.router.endpoints import EndpointSet, ModelSettings
 
@@ -92,12 +93,6 @@ def ready_urls(endpoints: Mapping[str, Any], port_name: str = WORKER_PORT_NAME) 
     return sorted(urls)
 
 
-def served_model(isvc: Mapping[str, Any]) -> str | None:
-    """``spec.model.name`` of an InferenceService as JSON, or None when it has none."""
-    name = ((isvc.get("spec") or {}).get("model") or {}).get("name")
-    return name if isinstance(name, str) and name else None
-
-
 @dataclass(frozen=True)
 class ServiceView:
     """What the router keeps of one InferenceService: its served model name, latency
@@ -109,12 +104,13 @@ class ServiceView:
     strategy: str | None = None
     load_factor: float | None = None
     hold_s: float | None = None
+    created: str = ""
 
 
 def service_view(isvc: Mapping[str, Any]) -> ServiceView:
     """``spec.model.name``, ``spec.slo.{ttftMs, itlMs}``, ``spec.routing.{strategy,
-    loadFactor}`` and, with autoscaling on, ``spec.autoscaling.holdSeconds`` of an
-    InferenceService as JSON."""
+    loadFactor}``, with autoscaling on ``spec.autoscaling.holdSeconds``, and
+    ``metadata.creationTimestamp`` of an InferenceService as JSON."""
     spec = isvc.get("spec") or {}
     slo, routing = spec.get("slo") or {}, spec.get("routing") or {}
     scaling = spec.get("autoscaling") or {}
@@ -128,19 +124,22 @@ def service_view(isvc: Mapping[str, Any]) -> ServiceView:
                        strategy if isinstance(strategy, str) else None,
                        positive(routing.get("loadFactor")),
                        positive(scaling.get("holdSeconds", 60.0)) if scaling.get("enabled") is True
-                       else None)
+                       else None, str((isvc.get("metadata") or {}).get("creationTimestamp") or ""))
+
+
+def serving(views: Mapping[str, ServiceView]) -> dict[str, ServiceView]:
+    """The views that get traffic: of InferenceServices declaring one served name, only
+    the oldest (``served_name_owners``; the operator gives the others ``Conflict``)."""
+    owners = served_name_owners({name: (v.model, v.created) for name, v in views.items()})
+    return {name: v for name, v in views.items() if v.model is not None
+            and owners.get(v.model) == name}
 
 
 def model_settings(views: Mapping[str, ServiceView]) -> dict[str, ModelSettings]:
-    """Served model name → its InferenceService's objectives and routing; two services of
-    one model: the first name in sorted order wins."""
-    out: dict[str, ModelSettings] = {}
-    for name in sorted(views):
-        view = views[name]
-        if view.model is not None:
-            out.setdefault(view.model, ModelSettings(view.ttft_ms, view.itl_ms, view.strategy,
-                                                     view.load_factor, view.hold_s))
-    return out
+    """Served model name → its InferenceService's objectives and routing (``views`` as
+    ``serving`` returns them: one per served name)."""
+    return {v.model: ModelSettings(v.ttft_ms, v.itl_ms, v.strategy, v.load_factor, v.hold_s)
+            for v in views.values() if v.model is not None}
 
 
 @dataclass(frozen=True)
@@ -380,7 +379,7 @@ class KubernetesDiscovery:
         with self._lock:
             if not (self.isvcs.synced and self.worker_endpoints.synced):
                 return  # half a view would unlist every endpoint of the other half
-            views = self.isvcs.view
+            views = serving(self.isvcs.view)
             now = (discovered({k: v.model for k, v in views.items()}, self.worker_endpoints.view),
                    model_settings(views))
             if now == self._last:
