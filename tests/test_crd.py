@@ -186,11 +186,14 @@ def test_api_server_defaults_match_pydantic_defaults():
 def test_nested_defaults_apply_inside_given_objects():
     obj = copy.deepcopy(MINIMAL)
     obj["spec"]["engine"] = {"native": {"speculative": {}}}
-    obj["spec"]["cascade"] = {"tiers": ["small", "big"]}
+    obj["spec"]["cascade"] = {"tiers": ["small", "big"], "escalation": {"threshold": -2}}
+    del obj["spec"]["model"]["source"]
     spec = crd.apply_defaults(SCHEMA, obj)["spec"]
     assert spec["engine"]["name"] == "native"
     assert spec["engine"]["native"]["speculative"] == {"method": "ngram", "numTokens": 4}
-    assert spec["cascade"]["escalationThreshold"] == 0.5
+    assert spec["cascade"]["escalation"] == {"signal": "logprob-quantile", "quantile": 0.1,
+                                             "threshold": -2}
+    assert spec["cascade"]["streaming"] == {"mode": "buffer", "prefixTokens": 16}
     assert parse_manifest(crd.apply_defaults(SCHEMA, obj)).model_dump() == \
         parse_manifest(obj).model_dump()
 
@@ -216,7 +219,8 @@ def test_examples_exist():
     ({"slo": {"percentile": 101}}, ["spec", "slo", "percentile"], "greater than the maximum"),
     ({"engine": {"native": {"speculative": {"numTokens": 17}}}},
      ["spec", "engine", "native", "speculative", "numTokens"], "greater than the maximum"),
-    ({"cascade": {"tiers": ["only-one"]}}, ["spec", "cascade", "tiers"], "too short"),
+    ({"cascade": {"tiers": ["only-one"], "escalation": {"threshold": -1}}},
+     ["spec", "cascade", "tiers"], "too short"),
     ({"model": {"name": "m", "source": "hf://org/model"}}, ["spec", "model", "source"],
      "does not match"),
     ({"model": {"name": " padded", "source": "sluice://x"}}, ["spec", "model", "name"],

@@ -92,7 +92,7 @@ def test_unknown_top_level_spec_field():
     ({"engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
     ({"slo": {"percentile": 120}}, "spec.slo.percentile"),
     ({"routing": {"strategy": "random"}}, "spec.routing.strategy"),
-    ({"cascade": {"tiers": ["only-one"]}}, "spec.cascade.tiers"),
+    ({"cascade": {"tiers": ["only-one"], "escalation": {"threshold": -1}}}, "spec.cascade.tiers"),
     ({"autoscaling": {"scaleToZero": True}}, "scaleToZero needs minReplicas: 0"),
     ({"model": {"name": "x", "source": "hf://x"}}, "must be sluice://NAME"),
     ({"model": {"name": "x", "source": "file://relative/dir"}}, "absolute path"),
@@ -118,10 +118,34 @@ def test_scale_to_zero_with_min_zero_is_valid():
     assert spec.replicas == 0 and spec.autoscaling.scale_to_zero
 
 
+def cascade_manifest(**cascade) -> dict:
+    data = with_spec(cascade={"tiers": ["small", "big"], "escalation": {"threshold": -1.5},
+                              **cascade})
+    del data["spec"]["model"]["source"]
+    return data
+
+
 def test_cascade():
-    spec = parse_manifest(with_spec(cascade={"tiers": ["small", "big"],
-                                             "escalationThreshold": 0.7})).spec
-    assert spec.cascade.tiers == ["small", "big"] and spec.cascade.escalation_threshold == 0.7
+    spec = parse_manifest(cascade_manifest(streaming={"mode": "prefix"})).spec
+    assert spec.cascade.tiers == ["small", "big"] and spec.cascade.escalation.threshold == -1.5
+    assert spec.cascade.escalation.signal == "logprob-quantile"
+    assert spec.cascade.escalation.quantile == 0.1
+    assert (spec.cascade.streaming.mode, spec.cascade.streaming.prefix_tokens) == ("prefix", 16)
+    assert spec.cascade.tier_costs() == [1.0, 2.0] and spec.model.source is None
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    (cascade_manifest(tiers=["a", "a"]), "name one InferenceService twice"),
+    (cascade_manifest(costs=[1.0]), "one positive number per tier"),
+    (cascade_manifest(escalation={"threshold": 0.5}), "spec.cascade.escalation.threshold"),
+    (cascade_manifest(escalation={}), "spec.cascade.escalation.threshold: Field required"),
+    (with_spec(cascade={"tiers": ["a", "b"], "escalation": {"threshold": -1}}),
+     "model.source must be omitted"),
+    ({**cascade_manifest(), "spec": {k: v for k, v in cascade_manifest()["spec"].items()
+                                     if k != "cascade"}}, "model.source is required"),
+])
+def test_bad_cascades_name_the_field(data, words):
+    assert words in error_of(data)
 
 
 def test_kubernetes_metadata_extras_are_accepted():

@@ -69,15 +69,18 @@ class ModelSpec(_Spec):
 
     name: str = Field(min_length=1, pattern=r"^\S(.*\S)?$",
                       description="Served model name: the `model` clients put in requests.")
-    source: str = Field(description="Where the weights come from: `sluice://NAME` (the Sluice "
-                        "model store, fetched on first use), `file:///abs/path` (a converted model "
-                        "folder) or `pvc://CLAIM/path` (a folder on a PersistentVolumeClaim).",
-                        json_schema_extra={"pattern": SOURCE_PATTERN})
+    source: str | None = Field(None, description="Where the weights come from: `sluice://NAME` "
+                               "(the Sluice model store, fetched on first use), `file:///abs/path` "
+                               "(a converted model folder) or `pvc://CLAIM/path` (a folder on a "
+                               "PersistentVolumeClaim). Required, except on a cascade (none).",
+                               json_schema_extra={"pattern": SOURCE_PATTERN})
     tokenizer: str | None = Field(None, description="Tokenizer folder or store name, when it "
                                   "is not stored with the weights.")
 
     @model_validator(mode="after")
     def _check_source(self) -> ModelSpec:
+        if self.source is None:  # only a cascade has none (InferenceServiceSpec checks)
+            return self
         scheme, _, rest = self.source.partition("://")
         if scheme not in SOURCE_SCHEMES or not rest:
             raise ValueError(f"source {self.source!r} must be sluice://NAME, file:///path or "
@@ -92,13 +95,13 @@ class ModelSpec(_Spec):
 
     @property
     def source_scheme(self) -> str:
-        """``sluice``, ``file`` or ``pvc``."""
-        return self.source.partition("://")[0]
+        """``sluice``, ``file`` or ``pvc`` (empty on a cascade)."""
+        return (self.source or "").partition("://")[0]
 
     @property
     def source_location(self) -> str:
         """The part after ``scheme://``: a store name, an absolute path, or ``claim/path``."""
-        return self.source.partition("://")[2]
+        return (self.source or "").partition("://")[2]
 
 
 class SpeculativeSpec(_Spec):
@@ -217,14 +220,79 @@ class RoutingSpec(_Spec):
                                "than this times the average in-flight load.")
 
 
-class CascadeSpec(_Spec):
-    """Serve from a small model first and escalate to bigger ones when it is unsure."""
+class CascadeEscalationSpec(_Spec):
+    """When a tier's answer goes up to the next tier."""
 
-    tiers: list[str] = Field(min_length=2, description="InferenceService names, smallest "
-                             "first; the last tier always answers.")
-    escalation_threshold: float = Field(0.5, ge=0, le=1, description="Escalate to the next "
-                                        "tier when a tier's confidence (mean token probability, "
-                                        "0..1) is below this.")
+    signal: Literal["logprob-quantile", "min-logprob", "mean-logprob"] = Field(
+        "logprob-quantile", description="The answer's score, from its token log probabilities "
+        "(requested from the tier whatever the client asked): `logprob-quantile` (a low "
+        "quantile: the mean is biased by length), `min-logprob` or `mean-logprob`.")
+    quantile: float = Field(0.1, gt=0, lt=1, description="`logprob-quantile`: which quantile.")
+    threshold: float = Field(ge=-100, le=0, description="Escalate when the score (a log "
+                             "probability, <= 0) is below this; `sluice cascade calibrate` "
+                             "finds the one that meets a target share of top-tier requests.")
+
+
+class PromptFeatureWeights(_Spec):
+    """Weights of the prompt features (``sluice.cascade.policy.prompt_features``)."""
+
+    log_chars: float = Field(0.0, description="ln(1 + characters of the prompt).")
+    log_numbers: float = Field(0.0, description="ln(1 + numbers in the prompt).")
+    code: float = Field(0.0, description="1 when the prompt holds code (a def, a fence, ...).")
+    math: float = Field(0.0, description="Arithmetic operators and number words, per 100 "
+                        "characters.")
+    question: float = Field(0.0, description="1 when the prompt asks a question.")
+    log_lines: float = Field(0.0, description="ln(1 + lines of the prompt).")
+
+
+class CascadePreRouteSpec(_Spec):
+    """A logistic model on cheap prompt features that sends a prompt it predicts hard
+    straight to the top tier (``sluice cascade calibrate`` fits it)."""
+
+    weights: PromptFeatureWeights = Field(description="Each feature's weight.")
+    bias: float = Field(0.0, description="The logistic model's intercept.")
+    threshold: float = Field(0.5, gt=0, lt=1, description="Go straight to the top tier when "
+                             "the predicted probability that the first tier fails is above "
+                             "this.")
+
+
+class CascadeStreamingSpec(_Spec):
+    """How a streamed request is answered while the first tier's answer is judged."""
+
+    mode: Literal["buffer", "prefix"] = Field("buffer", description="`buffer`: hold the whole "
+                                              "first answer until it is judged, then stream it "
+                                              "or the next tier's; `prefix`: judge the first "
+                                              "`prefixTokens` tokens, then stream on.")
+    prefix_tokens: int = Field(16, ge=1, le=4096, description="`prefix`: tokens judged.")
+
+
+class CascadeSpec(_Spec):
+    """Serve from a small model first and escalate to bigger ones when it is unsure. An
+    InferenceService with a cascade runs no workers of its own: clients send its
+    ``spec.model.name``, which has no ``source``, and its tiers answer."""
+
+    tiers: list[str] = Field(min_length=2, max_length=8, description="InferenceService names "
+                             "of this namespace, smallest first; the last tier always answers.")
+    costs: list[float] | None = Field(None, description="Each tier's relative cost per token, "
+                                      "for the metrics and reports (default: 1, 2, 4, ...).")
+    escalation: CascadeEscalationSpec = Field(description="When to go up a tier.")
+    pre_route: CascadePreRouteSpec | None = Field(None, description="Optional: skip to the top "
+                                                  "tier for prompts predicted hard.")
+    streaming: CascadeStreamingSpec = Field(default_factory=CascadeStreamingSpec,
+                                            description="Streamed requests.")
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> CascadeSpec:
+        if len(set(self.tiers)) != len(self.tiers):
+            raise ValueError(f"tiers {self.tiers} name one InferenceService twice")
+        if self.costs is not None and (len(self.costs) != len(self.tiers)
+                                       or any(not c > 0 for c in self.costs)):
+            raise ValueError("costs must give one positive number per tier")
+        return self
+
+    def tier_costs(self) -> list[float]:
+        """``costs``, or 1, 2, 4, ... when unset."""
+        return list(self.costs) if self.costs else [2.0 ** i for i in range(len(self.tiers))]
 
 
 class InferenceServiceSpec(_Spec):
@@ -252,6 +320,10 @@ class InferenceServiceSpec(_Spec):
                              f"({self.max_replicas})")
         if self.autoscaling.scale_to_zero and self.min_replicas != 0:
             raise ValueError("autoscaling.scaleToZero needs minReplicas: 0")
+        if self.cascade is None and self.model.source is None:
+            raise ValueError("model.source is required (only a cascade has none)")
+        if self.cascade is not None and self.model.source is not None:
+            raise ValueError("a cascade serves from its tiers: model.source must be omitted")
         return self
 
 
