@@ -15,6 +15,7 @@ from sluice.api.service import (
     InferenceService,
     RoutingStrategy,
     load_manifest,
+    load_manifests,
     parse_manifest,
 )
 from sluice.router.policy import POLICIES
@@ -166,12 +167,34 @@ def test_load_manifest_errors_name_the_file(tmp_path):
         load_manifest(bad_yaml)
     a_list = tmp_path / "list.yaml"
     a_list.write_text("- 1\n- 2\n")
-    with pytest.raises(ValueError, match="list.yaml: expected one YAML mapping"):
+    with pytest.raises(ValueError, match="list.yaml: expected a YAML mapping"):
         load_manifest(a_list)
     typo = tmp_path / "typo.yaml"
     typo.write_text(yaml.safe_dump(with_spec(replicaz=2)))
     with pytest.raises(ValueError, match=r"typo.yaml: invalid InferenceService:\n  spec.replicaz"):
         load_manifest(typo)
+
+
+def test_load_manifests_reads_every_document(tmp_path):
+    small, big = with_spec(), with_spec()
+    big["metadata"] = {"name": "big"}
+    cascade = cascade_manifest()
+    cascade["metadata"] = {"name": "coder"}
+    path = tmp_path / "cascade.yaml"
+    path.write_text(yaml.safe_dump_all([small, None, big, cascade]))
+    assert [s.metadata.name for s in load_manifests(path)] == ["smol", "big", "coder"]
+    with pytest.raises(ValueError, match="expected one InferenceService, found 3"):
+        load_manifest(path)
+    path.write_text(yaml.safe_dump_all([small, small]))
+    with pytest.raises(ValueError, match="cascade.yaml#2: a second InferenceService named "
+                                         "'smol'"):
+        load_manifests(path)
+    path.write_text(yaml.safe_dump_all([small, {"kind": "InferenceService"}]))
+    with pytest.raises(ValueError, match="cascade.yaml#2: invalid InferenceService"):
+        load_manifests(path)
+    path.write_text("---\n")
+    with pytest.raises(ValueError, match="no InferenceService in the file"):
+        load_manifests(path)
 
 
 def test_routing_strategies_match_the_router_registry():

@@ -446,12 +446,26 @@ def served_name_owners(services: Mapping[str, tuple[str | None, str]]) -> dict[s
 
 
 def load_manifest(path: str | Path) -> InferenceService:
-    """Read and validate one InferenceService YAML file.
+    """Read and validate a YAML file of one InferenceService.
 
     Raises:
-        ValueError: the file cannot be read, is not one YAML mapping, or does not validate;
-            the message names the file and each bad field by its YAML path
+        ValueError: the file cannot be read, does not hold exactly one YAML mapping, or does
+            not validate; the message names the file and each bad field by its YAML path
             (e.g. ``spec.engine.native.kvCacheGiB``), with a suggestion for misspelled keys.
+    """
+    services = load_manifests(path)
+    if len(services) != 1:
+        raise ValueError(f"{path}: expected one InferenceService, found {len(services)}")
+    return services[0]
+
+
+def load_manifests(path: str | Path) -> list[InferenceService]:
+    """Read and validate a YAML file of one or more InferenceServices (documents separated
+    by ``---``; empty documents are skipped), e.g. a cascade and its tiers.
+
+    Raises:
+        ValueError: as ``load_manifest``; also two documents with one ``metadata.name``, or
+            none at all. A document is named by its position (``FILE#2``) in messages.
     """
     path = Path(path)
     try:
@@ -459,13 +473,23 @@ def load_manifest(path: str | Path) -> InferenceService:
     except OSError as exc:
         raise ValueError(f"cannot read manifest {path}: {exc.strerror or exc}") from exc
     try:
-        data = yaml.safe_load(text)
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected one YAML mapping (an InferenceService), "
-                         f"got {type(data).__name__}")
-    return parse_manifest(data, source=str(path))
+    if not documents:
+        raise ValueError(f"{path}: no InferenceService in the file")
+    services: list[InferenceService] = []
+    for i, data in enumerate(documents, 1):
+        where = str(path) if len(documents) == 1 else f"{path}#{i}"
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a YAML mapping (an InferenceService), "
+                             f"got {type(data).__name__}")
+        service = parse_manifest(data, source=where)
+        if any(s.metadata.name == service.metadata.name for s in services):
+            raise ValueError(f"{where}: a second InferenceService named "
+                             f"{service.metadata.name!r}")
+        services.append(service)
+    return services
 
 
 def parse_manifest(data: dict[str, Any], source: str = "<manifest>") -> InferenceService:
