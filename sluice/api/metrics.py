@@ -47,6 +47,12 @@ ROUTER_HELD = "sluice_router_held_requests"
 ROUTER_SLO_REQUESTS = "sluice_router_slo_requests_total"
 ROUTER_SLO_MET = "sluice_router_slo_met_total"
 
+# router: cascades (labels: the cascade's served name, a tier's InferenceService name)
+ROUTER_CASCADE_REQUESTS = "sluice_router_cascade_requests_total"
+ROUTER_CASCADE_ESCALATIONS = "sluice_router_cascade_escalations_total"
+ROUTER_CASCADE_SCORE = "sluice_router_cascade_score"
+ROUTER_CASCADE_WASTED_TOKENS = "sluice_router_cascade_wasted_tokens_total"
+
 # autoscaler (operator in Kubernetes, the supervisor in `sluice up`; per model)
 AUTOSCALER_DESIRED = "sluice_autoscaler_desired_replicas"
 AUTOSCALER_READY = "sluice_autoscaler_ready_replicas"

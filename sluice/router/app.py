@@ -31,6 +31,10 @@ admission queue full or a tenant's limit (with ``Retry-After``), 503 no ready wo
 worker unreachable or failed, 504 no first byte within ``--first-byte-timeout`` or a gap
 longer than ``--read-timeout``.
 
+A request for a cascade's name (an InferenceService with ``spec.cascade``: ``--manifest``, or
+found by Kubernetes discovery) is answered by its tiers, smallest first, each through the
+same path: ``sluice.router.cascade``.
+
 Workers come from ``--worker URL`` (static discovery) or, with ``--discovery kubernetes``,
 from the InferenceServices and worker Endpoints of one namespace (``sluice.router.discovery``);
 both feed the same ``EndpointSet`` and the same proxy path.
@@ -61,6 +65,8 @@ from sluice.argtypes import http_url, port
 from sluice.logs import quiet_probe_access_logs
 from sluice.router import discovery
 from sluice.router.admission import Rejected
+from sluice.router.cascade import manifest_cascades
+from sluice.router.cascade import serve as serve_cascade
 from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
 from sluice.router.endpoints import EndpointSet
 from sluice.router.exchange import Exchange
@@ -102,6 +108,10 @@ class RouterConfig:
         keepalive_timeout: seconds an idle worker connection is kept for reuse; below the
             worker's own idle timeout, so the router never writes on one the worker closes.
         api_keys: the API key file (``sluice.router.tenants``); None: no keys needed.
+        manifest: an InferenceService manifest file (one or more documents) whose cascades
+            the router serves, their tiers resolved to served names from the same file
+            (static and file discovery; ``sluice up`` passes its own). Kubernetes discovery
+            finds cascades in the namespace instead.
     """
 
     workers: list[str] = field(default_factory=list)
@@ -117,6 +127,7 @@ class RouterConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     keepalive_timeout: float = KEEPALIVE_S
     api_keys: str | None = None
+    manifest: str | None = None
 
 
 @dataclass
@@ -159,18 +170,40 @@ async def route_request(request: Request, path: str) -> Response:
         return _count(state, None, error, tenant)
     model = body["model"]
     try:
-        routing = state.dispatcher.routing_request(
-            body, request.headers, start, tenant.max_priority if tenant is not None else None)
         charge = None if tenant is None else _charge(state, tenant, body, start)
-    except BadRoutingHeader as exc:
-        return _count(state, model, openai_error(
-            exc.status, str(exc), "invalid_request_error" if exc.status == 400 else
-            "permission_error", exc.param, None if exc.status == 400 else "priority_not_allowed"),
-            tenant)
     except RateLimited as exc:  # (counted for the tenant already)
         response = openai_error(429, str(exc), "rate_limit_error", code="rate_limit_exceeded")
         response.headers["Retry-After"] = str(exc.retry_after_s)
         return _count(state, model, response)
+    cascade = state.endpoints.cascades.get(model)
+    if cascade is None:
+        return await _to_model(request, state, body, raw, path, start, tenant, charge)
+
+    async def send(tier_body: dict[str, Any], final: bool) -> Response:
+        """A tier's request; the tenant's charge goes with the answer the client gets."""
+        return await _to_model(request, state, tier_body, json.dumps(tier_body).encode(), path,
+                               start, tenant, charge if final else None)
+    response = await serve_cascade(request, cascade, body, send, state.metrics)
+    if charge is not None:  # a judged tier's answer or an error (else settled already)
+        charge.settle(response.status_code, None, time.monotonic(),
+                      served=response.status_code < 400)
+    return response
+
+
+async def _to_model(request: Request, state: RouterState, body: dict[str, Any], raw: bytes,
+                    path: str, start: float, tenant: Tenant | None,
+                    charge: Charge | None) -> Response:
+    """Admission, then a worker of ``body["model"]``: the path of every request (a
+    cascade's: of each tier it asks)."""
+    model = body["model"]
+    try:
+        routing = state.dispatcher.routing_request(
+            body, request.headers, start, tenant.max_priority if tenant is not None else None)
+    except BadRoutingHeader as exc:
+        return _count(state, model, openai_error(
+            exc.status, str(exc), "invalid_request_error" if exc.status == 400 else
+            "permission_error", exc.param, None if exc.status == 400 else "priority_not_allowed"),
+            tenant, charge)
     state.dispatcher.demand.arrived(model)
     try:
         if not state.endpoints.ready_for(model) and not await unless_disconnected(
@@ -326,6 +359,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         ValueError: unknown policy or discovery name, or a bad setting.
         kubernetes.config.ConfigException: Kubernetes discovery without a usable kubeconfig.
         OSError, KeyFileError: the API key file cannot be read or is malformed.
+        ValueError: the manifest does not validate, or a cascade's tiers do not resolve.
     """
     Dispatcher(EndpointSet(), config.dispatch, RouterMetrics())  # fail before serving
     if config.discovery not in DISCOVERY:
@@ -333,6 +367,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     if config.max_body_bytes < 1 or not 0 < config.keepalive_timeout:
         raise ValueError("max_body_bytes must be ≥ 1 and keepalive_timeout > 0")
     keys = KeyRing(config.api_keys, time.monotonic()) if config.api_keys else None
+    cascades = manifest_cascades(config.manifest) if config.manifest else {}
     kube_client = discovery.api_client(config.kubeconfig) if config.discovery == "kubernetes" \
         else None
 
@@ -352,6 +387,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                                       trace_configs=[reuse]) as session:
             endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval,
                                     workers_file=config.workers_file)
+            endpoints.cascades = dict(cascades)
             metrics = RouterMetrics()
             dispatcher = Dispatcher(endpoints, config.dispatch, metrics)
             metrics.registry.register(DemandCollector(dispatcher.demand_snapshot))
@@ -498,6 +534,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most urgent priority (x-priority or the body's priority; lower is "
                         "served first) a request may ask for unless its API-key tenant allows "
                         "more; beyond it: 403 (default: %(default)s)")
+    parser.add_argument("--manifest", default=None, metavar="FILE",
+                        help="InferenceService manifest (one or more YAML documents) whose "
+                        "cascades to serve, tiers resolved from the same file (static and file "
+                        "discovery; kubernetes discovery finds them in the namespace)")
     parser.add_argument("--api-keys", default=None, metavar="FILE",
                         help="require Authorization: Bearer KEY on /v1 routes, with the keys, "
                         "tenants, priority ceilings and RPM/TPM limits of this YAML or JSON file "
@@ -522,6 +562,16 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, KeyFileError) as exc:
             logger.error("--api-keys %s: %s", args.api_keys, exc)
             return 2
+    if args.manifest:
+        if kubernetes:
+            logger.error("--manifest goes with static or file discovery; kubernetes discovery "
+                         "finds the cascades of the namespace")
+            return 2
+        try:
+            manifest_cascades(args.manifest)
+        except ValueError as exc:
+            logger.error("--manifest %s: %s", args.manifest, exc)
+            return 2
     namespace = args.namespace or discovery.default_namespace()
     try:
         dispatch = DispatchSettings(
@@ -540,7 +590,8 @@ def run(args: argparse.Namespace) -> int:
                           first_byte_timeout=args.first_byte_timeout,
                           read_timeout=args.read_timeout, poll_interval=args.poll_interval,
                           max_body_bytes=args.max_body_bytes,
-                          keepalive_timeout=args.keepalive_timeout, api_keys=args.api_keys)
+                          keepalive_timeout=args.keepalive_timeout, api_keys=args.api_keys,
+                          manifest=args.manifest)
     if kubernetes:
         from kubernetes.config import ConfigException
         try:

@@ -3,8 +3,9 @@
 Two list-then-watch loops, each in a daemon thread (the kubernetes client is synchronous, so
 the event loop never blocks on it), keep a small view of the router's namespace:
 
-    InferenceServices   name → spec.model.name, spec.slo      (serving.sluice.dev, read-only;
-                        of several declaring one served name, only the oldest counts)
+    InferenceServices   name → spec.model.name, spec.slo,     (serving.sluice.dev, read-only;
+                        spec.cascade                          of several declaring one served
+                                                              name, only the oldest counts)
     Endpoints (v1)      name → ready URLs on the port ``http``  (v1: EndpointSlice is only
                         (the operator's labels select them)      v1beta1 on Kubernetes 1.20)
 
@@ -34,8 +35,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.api.service import API_VERSION, served_model, served_name_owners
+from sluice.api.service import API_VERSION, CascadeSpec, served_model, served_name_owners
+from sluice.cascade.tiers import resolve_cascades
 from sluice.operator.resources import MANAGED_SELECTOR, PLURAL, WORKER_PORT_NAME, WORKER_SUFFIX
+from sluice.router.cascade import cascades_of
 from sluice.router.endpoints import EndpointSet, ModelSettings
 
 logger = logging.getLogger(__name__)
@@ -105,12 +108,14 @@ class ServiceView:
     load_factor: float | None = None
     hold_s: float | None = None
     created: str = ""
+    cascade: CascadeSpec | None = None
 
 
 def service_view(isvc: Mapping[str, Any]) -> ServiceView:
     """``spec.model.name``, ``spec.slo.{ttftMs, itlMs}``, ``spec.routing.{strategy,
-    loadFactor}``, with autoscaling on ``spec.autoscaling.holdSeconds``, and
-    ``metadata.creationTimestamp`` of an InferenceService as JSON."""
+    loadFactor}``, with autoscaling on ``spec.autoscaling.holdSeconds``,
+    ``metadata.creationTimestamp`` and ``spec.cascade`` (None when absent or invalid: the
+    operator reports that) of an InferenceService as JSON."""
     spec = isvc.get("spec") or {}
     slo, routing = spec.get("slo") or {}, spec.get("routing") or {}
     scaling = spec.get("autoscaling") or {}
@@ -124,7 +129,17 @@ def service_view(isvc: Mapping[str, Any]) -> ServiceView:
                        strategy if isinstance(strategy, str) else None,
                        positive(routing.get("loadFactor")),
                        positive(scaling.get("holdSeconds", 60.0)) if scaling.get("enabled") is True
-                       else None, str((isvc.get("metadata") or {}).get("creationTimestamp") or ""))
+                       else None, str((isvc.get("metadata") or {}).get("creationTimestamp") or ""),
+                       _cascade(spec.get("cascade")))
+
+
+def _cascade(raw: Any) -> CascadeSpec | None:
+    if raw is None:
+        return None
+    try:
+        return CascadeSpec.model_validate(raw)
+    except ValueError:
+        return None
 
 
 def serving(views: Mapping[str, ServiceView]) -> dict[str, ServiceView]:
@@ -344,7 +359,7 @@ class KubernetesDiscovery:
         self.endpoints, self.namespace, self.loop = endpoints, namespace, loop
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._last: tuple[Discovered, dict] | None = None
+        self._last: tuple[Discovered, dict, dict] | None = None
         custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
         self.isvcs = Reflector(
             "inferenceservices",
@@ -380,8 +395,9 @@ class KubernetesDiscovery:
             if not (self.isvcs.synced and self.worker_endpoints.synced):
                 return  # half a view would unlist every endpoint of the other half
             views = serving(self.isvcs.view)
+            served, _ = resolve_cascades({k: (v.model, v.cascade) for k, v in views.items()})
             now = (discovered({k: v.model for k, v in views.items()}, self.worker_endpoints.view),
-                   model_settings(views))
+                   model_settings(views), cascades_of(served))
             if now == self._last:
                 return
             self._last = now
@@ -390,9 +406,9 @@ class KubernetesDiscovery:
         except RuntimeError:  # the loop is closed: the router is shutting down
             pass
 
-    def _apply(self, now: tuple[Discovered, dict]) -> None:
-        found, slos = now
-        self.endpoints.sync(found.urls, found.models, slos)
+    def _apply(self, now: tuple[Discovered, dict, dict]) -> None:
+        found, slos, cascades = now
+        self.endpoints.sync(found.urls, found.models, slos, cascades)
 
 
 def default_namespace() -> str:

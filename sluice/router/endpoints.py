@@ -256,11 +256,14 @@ class EndpointSet:
         self.on_ejected: Callable[[str], None] = lambda reason: None  # metrics
         # served model → its InferenceService's objectives and routing (discovery)
         self.settings: dict[str, ModelSettings] = {}
+        # cascade served name → its sluice.router.cascade.Cascade (--manifest or discovery)
+        self.cascades: dict[str, Any] = {}
         self.workers_file = workers_file  # file discovery (``sluice up``): re-read on change
         self._file_stamp: tuple[int, int] | None = None
 
     def sync(self, urls: Iterable[str], declared_models: Iterable[str],
-             settings: dict[str, ModelSettings] | None = None) -> None:
+             settings: dict[str, ModelSettings] | None = None,
+             cascades: dict[str, Any] | None = None) -> None:
         """Make ``urls`` the listed endpoints (dynamic discovery).
 
         New URLs are added not ready and the poller is woken to confirm them at once; URLs
@@ -273,6 +276,8 @@ class EndpointSet:
                 while it has no ready worker.
             settings: served model name → its InferenceService's objectives and routing
                 (missing: the router's flags apply).
+            cascades: cascade served name → ``sluice.router.cascade.Cascade``; None keeps
+                the current ones.
         """
         wanted = {u.rstrip("/") for u in urls}
         joined = False
@@ -296,6 +301,8 @@ class EndpointSet:
         self._endpoints = dict(sorted(self._endpoints.items()))
         self._declared = frozenset(declared_models)
         self.settings = dict(settings or {})
+        if cascades is not None:
+            self.cascades = dict(cascades)
         self.prune()
 
     def prune(self) -> None:
@@ -319,9 +326,10 @@ class EndpointSet:
         return [e for e in self if e.listed and e.ready and model in e.models]
 
     def serves(self, model: str) -> bool:
-        """Some endpoint has reported serving ``model`` (ready or not), or discovery
-        declares it."""
-        return any(model in e.models for e in self) or model in (self._declared or ())
+        """Some endpoint has reported serving ``model`` (ready or not), discovery declares
+        it, or it is a cascade's name."""
+        return any(model in e.models for e in self) or model in (self._declared or ()) \
+            or model in self.cascades
 
     def any_models_known(self) -> bool:
         """Some endpoint has answered ``/v1/models`` at least once, or discovery has synced
@@ -350,6 +358,9 @@ class EndpointSet:
         for model_id in self._declared or ():
             union.setdefault(model_id, {"id": model_id, "object": "model", "created": 0,
                                         "owned_by": "sluice"})
+        for name, cascade in self.cascades.items():
+            union[name] = {"id": name, "object": "model", "created": 0, "owned_by": "sluice",
+                           "cascade": list(cascade.policy.tiers)}
         return [union[k] for k in sorted(union)]
 
     def mark_down(self, endpoint: Endpoint, reason: str) -> None:

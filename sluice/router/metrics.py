@@ -2,7 +2,8 @@
 
 Label values are bounded: ``model`` is only ever a model some worker serves (unknown names
 count as ``""``), ``status`` an HTTP status, ``reason`` one of a fixed few, ``tenant`` a
-tenant of the API key file (``sluice.router.tenants``).
+tenant of the API key file (``sluice.router.tenants``), ``cascade`` and ``tier`` a declared
+cascade and one of its tiers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from sluice.api import metrics as names
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                       20.0, 40.0, 80.0)
 ERROR_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SCORE_BUCKETS = (-10.0, -7.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.75, -0.5, -0.25,
+                 -0.1, -0.05, 0.0)  # token log probabilities
 
 
 class RouterMetrics:
@@ -55,6 +58,20 @@ class RouterMetrics:
         self.prediction_error = Histogram(names.ROUTER_TTFT_PREDICTION_ERROR, "Absolute error "
                                           "of each TTFT prediction, seconds.",
                                           buckets=ERROR_BUCKETS, registry=reg)
+        self.cascade_requests = Counter(
+            names.ROUTER_CASCADE_REQUESTS, "Cascade requests by the tier that answered, where "
+            "they started (cascade, pre-route, header) and whether they escalated; the top "
+            "tier's share is its count over the sum.", ["cascade", "tier", "start", "escalated"],
+            registry=reg)
+        self.cascade_escalations = Counter(
+            names.ROUTER_CASCADE_ESCALATIONS, "Answers sent up from a tier, by reason "
+            "(low-score, tier-error).", ["cascade", "tier", "reason"], registry=reg)
+        self.cascade_score = Histogram(
+            names.ROUTER_CASCADE_SCORE, "Scores of judged answers (the escalation signal, a "
+            "log probability).", ["cascade", "tier"], buckets=SCORE_BUCKETS, registry=reg)
+        self.cascade_wasted_tokens = Counter(
+            names.ROUTER_CASCADE_WASTED_TOKENS, "Tokens a tier generated for answers that "
+            "escalated (never sent).", ["cascade", "tier"], registry=reg)
 
 
 class DemandCollector:

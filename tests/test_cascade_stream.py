@@ -1,0 +1,89 @@
+"""The router cascade's stream handling on bytes as a worker sends them: events split
+across chunks, held up to K tokens, replayed with or without logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from sluice.router.cascade import _hold, _replay, _stream_logprobs, prompt_text
+
+
+def event(data: dict) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+def completion_chunk(text: str, lp: float, index: int = 0) -> bytes:
+    return event({"choices": [{"index": index, "text": text, "finish_reason": None,
+                               "logprobs": {"tokens": [text], "token_logprobs": [lp],
+                                            "top_logprobs": None, "text_offset": [0]}}]})
+
+
+async def chunks_of(data: bytes, size: int):
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+STREAM = b"".join(completion_chunk(t, lp) for t, lp in
+                  [("a", -0.1), ("b", -0.2), ("c", -3.0), ("d", -0.4)]) + b"data: [DONE]\n\n"
+
+
+def test_hold_reads_whole_events_up_to_the_limit_across_chunk_boundaries():
+    async def hold_then_replay():
+        source = chunks_of(STREAM, 7)  # events split mid-line
+        events, partial, done = await _hold(source, chat=False, limit=2)
+        stripped = b"".join(await _collect(_replay(events, partial, source, strip=True)))
+        return events, done, stripped
+
+    events, done, stripped = run(hold_then_replay())
+    assert not done
+    assert _stream_logprobs(events, False) == [[-0.1, -0.2]]
+    parsed = [json.loads(e[6:]) for e in stripped.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [p["choices"][0]["text"] for p in parsed] == ["a", "b", "c", "d"]  # none lost
+    assert all(p["choices"][0]["logprobs"] is None for p in parsed)  # nor left half-stripped
+    assert stripped.endswith(b"data: [DONE]\n\n")
+
+    async def verbatim():
+        source = chunks_of(STREAM, 7)
+        events, partial, _ = await _hold(source, chat=False, limit=3)
+        return b"".join(await _collect(_replay(events, partial, source, strip=False)))
+
+    assert run(verbatim()) == STREAM  # byte for byte
+
+
+def test_hold_without_a_limit_reads_to_the_end_and_replay_strips_logprobs():
+    events, partial, done = run(_hold(chunks_of(STREAM, 50), chat=False, limit=None))
+    assert done and not partial
+    assert _stream_logprobs(events, False) == [[-0.1, -0.2, -3.0, -0.4]]
+    out = b"".join(run(_collect(_replay(events, partial, None, strip=True))))
+    parsed = [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [p["choices"][0]["text"] for p in parsed] == ["a", "b", "c", "d"]
+    assert all(p["choices"][0]["logprobs"] is None for p in parsed)
+    assert out.endswith(b"data: [DONE]\n\n")
+
+
+def test_chat_logprobs_per_choice():
+    stream = b"".join(event({"choices": [{"index": i, "delta": {"content": "x"},
+                                          "logprobs": {"content": [{"token": "x",
+                                                                    "logprob": lp}]}}]})
+                      for i, lp in [(0, -0.5), (1, -1.5), (0, -0.25)])
+    events, _, _ = run(_hold(chunks_of(stream, 1000), chat=True, limit=None))
+    assert _stream_logprobs(events, True) == [[-0.5, -0.25], [-1.5]]
+
+
+def test_prompt_text():
+    assert prompt_text({"prompt": "hi"}) == "hi"
+    assert prompt_text({"prompt": ["a", "b"]}) == "a\nb"
+    assert prompt_text({"prompt": [1, 2, 3]}) == ""
+    assert prompt_text({"messages": [{"role": "system", "content": "be brief"},
+                                     {"role": "user", "content": [{"type": "text",
+                                                                   "text": "2+2?"}]}]}) \
+        == "be brief\n2+2?"
+
+
+async def _collect(agen):
+    return [chunk async for chunk in agen]
