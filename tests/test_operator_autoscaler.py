@@ -292,6 +292,23 @@ def test_disabled_autoscaling_never_touches_spec_replicas():
     assert not any(path.endswith("/autoscale/demand") for _, path in world.net.calls)
 
 
+def test_a_cascade_is_never_scaled():
+    """A cascade (spec.cascade, no model.source) has no workers: even with autoscaling on
+    and demand for its name at the routers, the autoscaler leaves it alone."""
+    body = autoscaled_isvc()
+    body["spec"]["model"] = {"name": MODEL}
+    body["spec"]["cascade"] = {"tiers": ["small", "big"],
+                               "escalation": {"threshold": -1.0}}
+    world = World(body)
+    assert not autoscaled(world.body)
+    for _ in range(3):
+        burst(world)
+        world.tick()
+    assert world.kube.isvc_scaled == [] and world.kube.events == []
+    assert world.replicas == 1 and world.kube.status_writes == 0
+    assert not any(path.endswith("/autoscale/demand") for _, path in world.net.calls)
+
+
 def test_scale_down_waits_for_the_window_then_consolidates():
     world = World(autoscaled_isvc(replicas=3))
     world.tick()

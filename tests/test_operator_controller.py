@@ -316,6 +316,93 @@ async def _any_pods(namespace, selector):
     return []
 
 
+# ------------------------------------------------------------------ cascades
+
+BIG = {"name": "big-model", "source": "sluice://Qwen2.5-Coder-0.5B-Instruct"}
+
+def cascade(name: str = "coder", tiers: tuple[str, ...] = ("smol", "big")) -> dict:
+    """A cascade InferenceService: a served name, no source, tiers."""
+    body = isvc(name=name, cascade={"tiers": list(tiers), "escalation": {"threshold": -1.0}})
+    body["spec"]["model"] = {"name": name}
+    return body
+
+
+def make_ready(kube: FakeKube, name: str) -> None:
+    """The worker Deployment of ``name`` has its replica ready and listed."""
+    kube.deployments[("team-a", f"{name}-worker")].update(deployment_status(replicas=1, ready=1))
+    kube.endpoints[("team-a", f"{name}-worker")] = ENDPOINTS
+
+
+def message(kube: FakeKube, type_: str, name: str) -> str:
+    return [c for c in kube.status(name)["conditions"] if c["type"] == type_][0]["message"]
+
+
+def test_a_cascade_gets_no_children_and_is_ready_when_every_tier_is():
+    """The cascade applies nothing; its Ready follows the tiers' Ready, refreshed as soon
+    as a tier's Ready changes (not only at the next resync)."""
+    kube = FakeKube(isvc(), isvc(name="big", model=BIG),
+                    cascade())
+    kube.list_pods = _any_pods
+    ctl = controller(kube)
+    run(ctl.resync(["team-a"]))
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in kube.applied) == [
+        ("Deployment", "big-worker"), ("Deployment", "smol-worker"),
+        ("PodDisruptionBudget", "big-worker"), ("PodDisruptionBudget", "smol-worker"),
+        ("Service", "big-worker"), ("Service", "smol-worker")]
+    assert kube.condition("Ready", name="coder") == ("False", "TiersNotReady")
+    assert message(kube, "Ready", "coder") == \
+        "tiers not ready: smol (NoReplicasReady); big (NoReplicasReady)"
+    assert kube.condition("Progressing", name="coder") == ("False", "NoWorkers")
+    assert kube.condition("Degraded", name="coder") == ("False", "AsExpected")
+    status = kube.status("coder")
+    assert (status["replicas"], status["readyReplicas"], status["desiredReplicas"]) == (0, 0, 0)
+    assert "endpoint" not in status and "selector" not in status
+    assert status["observedGeneration"] == 3
+    make_ready(kube, "smol")
+    run(ctl.refresh("team-a", "smol"))
+    assert message(kube, "Ready", "coder") == "tiers not ready: big (NoReplicasReady)"
+    make_ready(kube, "big")
+    run(ctl.refresh("team-a", "big"))
+    assert kube.condition("Ready", name="coder") == ("True", "CascadeServing")
+    assert message(kube, "Ready", "coder") == "every tier is ready: smol, big"
+    writes = kube.status_writes
+    run(ctl.reconcile(kube.isvcs[("team-a", "coder")]))
+    assert kube.status_writes == writes and len(kube.applied) == 6  # nothing new to write
+
+
+@pytest.mark.parametrize("tiers, others, problem", [
+    (("smol", "x"), [], "spec.cascade.tiers[1]: no InferenceService 'x' in this namespace"),
+    (("inner", "smol"), [cascade("inner", ("smol", "big"))],
+     "spec.cascade.tiers[0]: 'inner' is a cascade itself; tiers must serve a model"),
+    (("smol", "same"), [isvc(name="same", model={**BIG, "name": "coder"})],
+     "spec.cascade.tiers[1]: 'same' serves the model name 'coder', the cascade's own"),
+], ids=["unknown-tier", "nested-cascade", "tier-serves-the-cascades-name"])
+def test_a_cascade_whose_tiers_cannot_serve_is_invalid_spec(tiers, others, problem):
+    kube = FakeKube(isvc(), cascade(tiers=tiers), *others)
+    kube.list_pods = _any_pods
+    ctl = controller(kube)
+    run(ctl.reconcile(kube.isvcs[("team-a", "coder")]))  # no error: a tier may come later
+    assert kube.applied == []
+    assert kube.condition("Ready", name="coder") == ("False", "InvalidSpec")
+    assert kube.condition("Degraded", name="coder") == ("True", "InvalidSpec")
+    assert kube.condition("Progressing", name="coder") == ("False", "InvalidSpec")
+    assert message(kube, "Ready", "coder") == problem
+
+
+def test_a_cascade_becomes_valid_when_its_missing_tier_is_created():
+    kube = FakeKube(isvc(), cascade())
+    kube.list_pods = _any_pods
+    ctl = controller(kube)
+    run(ctl.resync(["team-a"]))
+    assert message(kube, "Ready", "coder") == \
+        "spec.cascade.tiers[1]: no InferenceService 'big' in this namespace"
+    big = isvc(name="big", model=BIG)
+    kube.isvcs[("team-a", "big")] = big
+    run(ctl.resync(["team-a"]))  # the periodic reconcile
+    assert kube.condition("Ready", name="coder") == ("False", "TiersNotReady")
+    assert kube.condition("Degraded", name="coder") == ("False", "AsExpected")
+
+
 # ------------------------------------------------------------------ kopf settings, flags
 
 def test_kopf_settings_are_explicit():

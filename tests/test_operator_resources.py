@@ -63,6 +63,18 @@ def test_children_names_labels_and_owner():
     assert r.endpoint_url("smol", "team-a") == "http://smol-worker.team-a.svc:8000"
 
 
+def test_a_cascade_has_no_children():
+    body = isvc(name="coder", cascade={"tiers": ["smol", "big"],
+                                       "escalation": {"threshold": -1.0}})
+    body["spec"]["model"] = {"name": "coder"}
+    assert r.is_cascade(body) and not r.is_cascade(isvc())
+    assert r.desired_objects(body, OperatorConfig()) == []
+    body["spec"]["model"]["source"] = f"sluice://{MODEL}"
+    with pytest.raises(InvalidSpec, match="a cascade serves from its tiers: model.source "
+                       "must be omitted"):
+        r.desired_objects(body, OperatorConfig())
+
+
 def test_deployment_replicas_and_strategy():
     spec = deployment_of(isvc(replicas=3))["spec"]
     assert spec["replicas"] == 3

@@ -3,7 +3,8 @@
 
 Every ``--autoscale-interval`` seconds (a background task of the operator, never a kopf
 handler), for each InferenceService with ``spec.autoscaling.enabled`` (and no ``Conflict``:
-the router sends an InferenceService that reuses an older one's served name no traffic):
+the router sends an InferenceService that reuses an older one's served name no traffic; and
+no ``spec.cascade``: a cascade has no workers, its tiers are scaled each on its own):
 
     routers   GET /autoscale/demand of every router pod (routers.Routers), once per
               namespace; a router that does not answer is left out of the window
@@ -59,8 +60,9 @@ class _Tracked:
 
 
 def autoscaled(body: Mapping[str, Any]) -> bool:
-    """``spec.autoscaling.enabled`` is true and the object is not being deleted."""
-    if (body.get("metadata") or {}).get("deletionTimestamp"):
+    """``spec.autoscaling.enabled`` is true, the object is not being deleted, and it is no
+    cascade (which has no workers to scale)."""
+    if (body.get("metadata") or {}).get("deletionTimestamp") or resources.is_cascade(body):
         return False
     return ((body.get("spec") or {}).get("autoscaling") or {}).get("enabled") is True
 

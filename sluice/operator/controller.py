@@ -5,9 +5,15 @@ The kopf handlers (handlers.py) only decide *when*; this decides *what*:
     reconcile(body)  build the children (resources.desired_objects) → server-side apply
                      → refresh. An invalid spec writes the InvalidSpec condition and raises
                      InvalidSpec (the handler turns it into kopf.PermanentError: no retries).
+                     A cascade has no children: only its status (tiers that do not resolve
+                     are an InvalidSpec condition, not an error: a tier created later makes
+                     it valid at the next resync).
     scale(body)      replicas-only change: patch the Deployment's spec.replicas → refresh.
     refresh(ns, n)   read Deployment, Pods, Endpoints; probe one ready address's /health;
                      compute the status (status.compute_status); write it if it changed.
+                     A cascade's status comes from its namespace's InferenceServices
+                     (status.compute_cascade_status); when a tier's Ready changes, the
+                     cascades naming it are refreshed too.
     record(ns, n, f) write the autoscaler's status fields (under the same lock as refresh).
 
 Neither reconcile nor scale ever lowers the Deployment's replicas itself: a lower count goes
@@ -34,8 +40,8 @@ from sluice.operator import resources
 from sluice.operator.drain import Drainer
 from sluice.operator.kube import ApiError, KubeApi
 from sluice.operator.resources import InvalidSpec, OperatorConfig
-from sluice.operator.status import Probe, compute_status, ready_addresses, same_status, \
-    status_patch
+from sluice.operator.status import Probe, compute_cascade_status, compute_status, \
+    ready_addresses, same_status, status_patch
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +93,8 @@ class Controller:
         key = _key(body)
         try:
             objects = resources.desired_objects(body, self.config)
-            await self._keep_replicas_until_drained(body, objects[-1])
+            if objects:  # none for a cascade
+                await self._keep_replicas_until_drained(body, objects[-1])
             for obj in objects:
                 await self._apply(obj)
         except InvalidSpec as exc:
@@ -175,17 +182,33 @@ class Controller:
             if body is None:
                 return None
             status = await self._observe(body)
-            if not same_status(body.get("status"), status):
+            changed = not same_status(body.get("status"), status)
+            if changed:
                 await self.kube.patch_isvc_status(namespace, name, status_patch(status))
                 ready = status.condition("Ready")
                 logger.info("%s/%s: %d/%d ready; Ready=%s %s", namespace, name,
                             status.ready_replicas, int(body["spec"].get("replicas", 1)),
                             ready.status if ready else "?", ready.reason if ready else "")
-            return status
+        if changed and _ready_of(body.get("status")) != _ready_of(status_patch(status)) \
+                and not resources.is_cascade(body):
+            await self._refresh_cascades_over(namespace, name)
+        return status
+
+    async def _refresh_cascades_over(self, namespace: str, tier: str) -> None:
+        """A tier's Ready changed: the cascades naming it follow now, not at the next
+        resync."""
+        for other in await self.kube.list_isvcs(namespace):
+            if tier in (((other.get("spec") or {}).get("cascade") or {}).get("tiers") or ()):
+                await self.refresh(namespace, other["metadata"]["name"])
 
     async def _observe(self, body: Mapping[str, Any]) -> InferenceServiceStatus:
         namespace, name = _key(body)
         invalid = self._invalid(body)
+        if resources.is_cascade(body):
+            neighbours = await self.kube.list_isvcs(namespace)
+            return compute_cascade_status(body, neighbours, self._clock(), invalid,
+                                          observed=self._observed.get((namespace, name)),
+                                          conflict=_conflict(body, neighbours))
         worker = resources.worker_name(name)
         deployment, pods, endpoints, neighbours = await asyncio.gather(
             self.kube.get_deployment(namespace, worker),
@@ -196,10 +219,9 @@ class Controller:
         addresses = ready_addresses(endpoints)
         if addresses and self._http is not None and invalid is None:
             probe = await self._probe(addresses[0])
-        owner = served_name_owners(served_names(neighbours)).get(served_model(body) or "")
         return compute_status(body, deployment, pods, endpoints, probe, self._clock(), invalid,
                               observed=self._observed.get((namespace, name)),
-                              conflict=owner if owner not in (None, name) else None)
+                              conflict=_conflict(body, neighbours))
 
     def _invalid(self, body: Mapping[str, Any]) -> str | None:
         refused = self._refused.get(_key(body))
@@ -236,6 +258,20 @@ class Controller:
                     pass  # written as the condition
                 except ApiError as exc:
                     logger.warning("resync of %s/%s failed: %s", *_key(body), exc)
+
+
+def _conflict(body: Mapping[str, Any], neighbours: list[Mapping[str, Any]]) -> str | None:
+    """The older InferenceService that serves this one's model name, if another does."""
+    owner = served_name_owners(served_names(neighbours)).get(served_model(body) or "")
+    return owner if owner not in (None, _key(body)[1]) else None
+
+
+def _ready_of(status: Mapping[str, Any] | None) -> str | None:
+    """The Ready condition's status in a status as JSON, or None."""
+    for condition in (status or {}).get("conditions") or ():
+        if condition.get("type") == "Ready":
+            return condition.get("status")
+    return None
 
 
 def _key(body: Mapping[str, Any]) -> tuple[str, str]:

@@ -158,6 +158,11 @@ class OperatorConfig:
 
 # ------------------------------------------------------------------ names and labels
 
+def is_cascade(body: Mapping[str, Any]) -> bool:
+    """The InferenceService as JSON has a ``spec.cascade``: it runs no workers."""
+    return (body.get("spec") or {}).get("cascade") is not None
+
+
 def worker_name(service_name: str) -> str:
     """Name of the worker Deployment and Service (the router joins on it)."""
     return service_name + WORKER_SUFFIX
@@ -533,12 +538,14 @@ def build_pdb(body: Mapping[str, Any], service: InferenceService,
 
 def desired_objects(body: Mapping[str, Any], config: OperatorConfig) -> list[dict[str, Any]]:
     """The reconcile function: an InferenceService object → its children: Service,
-    PodDisruptionBudget, Deployment.
+    PodDisruptionBudget, Deployment; none for a cascade (its tiers run the workers).
 
     Raises:
         InvalidSpec: see ``parse_service``; also a spec ``sluice worker`` cannot run.
     """
     service = parse_service(body)
+    if service.spec.cascade is not None:
+        return []
     try:
         deployment = build_deployment(body, service, config)
     except ValueError as exc:

@@ -1,5 +1,6 @@
 """Pure status: what exists (Deployment, Pods, Endpoints, one /health probe) → the
-InferenceService's status and its three conditions.
+InferenceService's status and its three conditions (``compute_status``); for a cascade,
+its tiers' InferenceServices → its status (``compute_cascade_status``).
 
     Ready        True when at least one replica is ready, the worker Service lists a ready
                  address, and that address answers /health (when the operator probes).
@@ -16,6 +17,19 @@ InferenceService's status and its three conditions.
                  naming it; Ready is then False (ServedNameConflict): the router sends
                  this one no traffic, and its autoscaler does not scale it.
 
+A cascade (``spec.cascade``) runs no workers: replicas 0, no selector or endpoint, and
+
+    Ready        True, CascadeServing, when every tier InferenceService is Ready; else
+                 False, TiersNotReady, naming the tiers that are not (and their reasons);
+                 False, InvalidSpec when a tier cannot serve (``resolve_cascades``: an
+                 unknown name, a cascade, a tier serving the cascade's own name), the
+                 message naming the field, e.g. ``spec.cascade.tiers[1]: no
+                 InferenceService 'x' in this namespace``. Tiers are looked up again at
+                 every refresh, so one created later makes the cascade valid.
+    Progressing  always False (NoWorkers, or InvalidSpec): no rollout of its own.
+    Degraded     True only with InvalidSpec.
+    Conflict     as above, when an older InferenceService serves the cascade's name.
+
 The autoscaler's fields (desiredReplicas, lastScaleTime, lastScaleReason, sloAttainment) are
 written by sluice.operator.autoscaler; a refresh keeps them as they are, except that with
 autoscaling off desiredReplicas is spec.replicas and sloAttainment is dropped.
@@ -29,7 +43,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.api.service import Condition, InferenceServiceStatus
+from sluice.api.service import CascadeSpec, Condition, InferenceServiceStatus, served_model
+from sluice.cascade.tiers import resolve_cascades
 from sluice.operator.resources import WORKER_PORT_NAME, endpoint_url, selector_string
 
 READY, PROGRESSING, DEGRADED, AUTOSCALING = "Ready", "Progressing", "Degraded", "Autoscaling"
@@ -163,12 +178,7 @@ def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
     if autoscaled:
         conditions.append(_autoscaling(spec, invalid))
     if conflict is not None and not invalid:
-        model = (spec.get("model") or {}).get("name")
-        message = (f"spec.model.name {model!r} is already served by InferenceService "
-                   f"{conflict!r}, created earlier: this one gets no traffic until that one "
-                   "is deleted or renames its model")
-        conditions[0] = (READY, "False", "ServedNameConflict", message)
-        conditions.append((CONFLICT, "True", "ServedNameInUse", message))
+        _add_conflict(conditions, spec, conflict)
     before = _previous(body)
     previous = {c.type: c for c in before.conditions}
     generation = observed if observed is not None else before.observed_generation
@@ -181,6 +191,99 @@ def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
                           before.desired_replicas is not None else desired),
         last_scale_time=before.last_scale_time, last_scale_reason=before.last_scale_reason,
         slo_attainment=before.slo_attainment if autoscaled else None)
+
+
+def compute_cascade_status(body: Mapping[str, Any], neighbours: list[Mapping[str, Any]],
+                           now: str, invalid: str | None = None, observed: int | None = None,
+                           conflict: str | None = None) -> InferenceServiceStatus:
+    """The status of a cascade (an InferenceService with ``spec.cascade``; no workers).
+
+    Args:
+        body: the cascade, as JSON.
+        neighbours: the InferenceServices of its namespace as JSON, with their status: which
+            tiers exist, what they serve, whether they are Ready (``body`` itself may be
+            among them).
+        now, observed, conflict: as ``compute_status``.
+        invalid: the InvalidSpec message of a spec that does not validate; None: the tiers
+            are checked (``cascade_problem``).
+    """
+    spec = body.get("spec") or {}
+    problem = invalid or cascade_problem(body, neighbours)
+    if problem:
+        conditions = [(READY, "False", "InvalidSpec", problem),
+                      (PROGRESSING, "False", "InvalidSpec", problem),
+                      (DEGRADED, "True", "InvalidSpec", problem)]
+    else:
+        tiers = list((spec.get("cascade") or {}).get("tiers") or ())
+        waiting = tiers_not_ready(tiers, neighbours)
+        ready = ((READY, "False", "TiersNotReady", "tiers not ready: " + "; ".join(waiting))
+                 if waiting else (READY, "True", "CascadeServing",
+                                  f"every tier is ready: {', '.join(tiers)}"))
+        conditions = [ready,
+                      (PROGRESSING, "False", "NoWorkers", "a cascade runs no workers of its "
+                       "own; its tiers do"),
+                      (DEGRADED, "False", "AsExpected", "every tier resolves to a served model")]
+    if conflict is not None and not problem:
+        _add_conflict(conditions, spec, conflict)
+    before = _previous(body)
+    previous = {c.type: c for c in before.conditions}
+    generation = observed if observed is not None else before.observed_generation
+    return InferenceServiceStatus(
+        observed_generation=generation, replicas=0, ready_replicas=0, desired_replicas=0,
+        conditions=[_condition(previous, *c, generation=generation, now=now)
+                    for c in conditions])
+
+
+def cascade_problem(body: Mapping[str, Any], neighbours: list[Mapping[str, Any]]) -> str | None:
+    """Why a cascade's tiers cannot be served (``resolve_cascades``' message, naming the
+    field), or None. ``body``'s ``spec.cascade`` must validate (``parse_service``)."""
+    name = (body.get("metadata") or {}).get("name", "")
+    services = {(b.get("metadata") or {}).get("name", ""): (served_model(b), _cascade_of(b))
+                for b in neighbours}
+    own = CascadeSpec.model_validate((body.get("spec") or {})["cascade"])
+    services[name] = (served_model(body), own)
+    return resolve_cascades(services)[1].get(name)
+
+
+def _cascade_of(body: Mapping[str, Any]) -> CascadeSpec | None:
+    """A neighbour's ``spec.cascade``; one that does not validate still marks it a cascade
+    (with no tiers of its own to check here: its own status says what is wrong)."""
+    raw = (body.get("spec") or {}).get("cascade")
+    if raw is None:
+        return None
+    try:
+        return CascadeSpec.model_validate(raw)
+    except ValueError:
+        return CascadeSpec.model_construct(tiers=[])
+
+
+def tiers_not_ready(tiers: list[str], neighbours: list[Mapping[str, Any]]) -> list[str]:
+    """Each tier whose InferenceService is not Ready, with its Ready reason, in tier order
+    (e.g. ``qwen-coder (NoReplicasReady)``)."""
+    ready: dict[str, Mapping[str, Any]] = {}
+    for b in neighbours:
+        for condition in (b.get("status") or {}).get("conditions") or ():
+            if condition.get("type") == READY:
+                ready[(b.get("metadata") or {}).get("name", "")] = condition
+    waiting = []
+    for tier in tiers:
+        condition = ready.get(tier)
+        if condition is None:
+            waiting.append(f"{tier} (no status yet)")
+        elif condition.get("status") != "True":
+            waiting.append(f"{tier} ({condition.get('reason') or 'Ready=False'})")
+    return waiting
+
+
+def _add_conflict(conditions: list[tuple[str, str, str, str]], spec: Mapping[str, Any],
+                  conflict: str) -> None:
+    """Ready=False and Conflict=True: an older InferenceService serves this one's name."""
+    model = (spec.get("model") or {}).get("name")
+    message = (f"spec.model.name {model!r} is already served by InferenceService "
+               f"{conflict!r}, created earlier: this one gets no traffic until that one "
+               "is deleted or renames its model")
+    conditions[0] = (READY, "False", "ServedNameConflict", message)
+    conditions.append((CONFLICT, "True", "ServedNameInUse", message))
 
 
 def objective(spec: Mapping[str, Any]) -> str:
