@@ -166,8 +166,8 @@ def build_manifest(base: dict, config: str, slo: dict, capacity_rps: float,
 # ------------------------------------------------------------------ the supervisor's log
 
 _STAMP = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ "
-STARTED = re.compile(_STAMP + r"sluice\.local\.supervisor: started (worker-\d+) \(pid \d+\): (\S+)")
-STOPPED = re.compile(_STAMP + r"sluice\.local\.supervisor: (worker-\d+) (?:stopped|exited with)")
+STARTED = re.compile(_STAMP + r"sluice\.local\.processes: started (worker-\d+) \(pid \d+\): (\S+)")
+STOPPED = re.compile(_STAMP + r"sluice\.local\.processes: (worker-\d+) (?:stopped|exited with)")
 SCALED = re.compile(_STAMP + r"sluice\.local\.autoscaler: autoscaler: (\d+) -> (\d+) replicas "
                     r"\(([^;)]+)")
 

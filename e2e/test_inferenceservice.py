@@ -108,11 +108,12 @@ def test_chart_installed_the_crd(sluice: Sluice):
 def test_example_passes_server_side_validation(sluice: Sluice, path: Path):
     """Every example is applied (a server-side dry run: the heavier models do not run here;
     examples/smollm2.yaml also runs for real in TestLifecycle)."""
-    doc = load(path)
-    assert doc["kind"] == "InferenceService", path
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert docs and all(d["kind"] == "InferenceService" for d in docs), path
     out = sluice.kubectl.run("apply", "--dry-run=server", "-f", str(path)).stdout
-    assert "(server dry run)" in out, out
-    assert sluice.isvc(doc["metadata"]["name"]) is None  # a dry run leaves nothing behind
+    assert out.count("(server dry run)") == len(docs), out  # every document (a cascade's too)
+    for doc in docs:
+        assert sluice.isvc(doc["metadata"]["name"]) is None  # a dry run leaves nothing behind
 
 
 # ------------------------------------------------------------------ invalid specs

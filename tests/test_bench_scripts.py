@@ -114,15 +114,15 @@ def test_autoscale_bench_reads_the_supervisors_log_and_builds_valid_manifests():
     from sluice.api.service import parse_manifest
 
     log = "\n".join([
-        "2026-01-01 10:00:00,000 INFO sluice.local.supervisor: started worker-0 (pid 1): http://a",
+        "2026-01-01 10:00:00,000 INFO sluice.local.processes: started worker-0 (pid 1): http://a",
         "[worker-0] 2026-01-01 10:00:05,000 INFO x: started worker-9 (pid 9): http://not-ours",
         "2026-01-01 10:00:10,000 INFO sluice.local.autoscaler: autoscaler: 1 -> 2 replicas "
         "(burst; demand 2.00 req/s, capacity 1.00 req/s per replica, 3 queued, 0 held)",
-        "2026-01-01 10:00:10,500 INFO sluice.local.supervisor: started worker-1 (pid 2): http://b",
-        "2026-01-01 10:00:30,000 INFO sluice.local.supervisor: worker-1 stopped",
-        "2026-01-01 10:00:40,000 ERROR sluice.local.supervisor: worker-0 exited with code 1 "
+        "2026-01-01 10:00:10,500 INFO sluice.local.processes: started worker-1 (pid 2): http://b",
+        "2026-01-01 10:00:30,000 INFO sluice.local.processes: worker-1 stopped",
+        "2026-01-01 10:00:40,000 ERROR sluice.local.processes: worker-0 exited with code 1 "
         "after 40 s; restarting in 1 s",
-        "2026-01-01 10:00:41,000 INFO sluice.local.supervisor: started worker-0 (pid 3): http://a",
+        "2026-01-01 10:00:41,000 INFO sluice.local.processes: started worker-0 (pid 3): http://a",
     ])
     events = autoscale.worker_events(log)
     t = events[0][0]

@@ -200,11 +200,13 @@ def test_nested_defaults_apply_inside_given_objects():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_validates_against_the_crd(path):
-    obj = yaml.safe_load(path.read_text())
-    defaulted = crd.apply_defaults(SCHEMA, obj)
-    assert errors_of(defaulted) == []
-    assert parse_manifest(defaulted).model_dump() == parse_manifest(obj).model_dump()
-    assert defaulted["spec"]["engine"]["tensorParallelSize"] == 1  # a default appears
+    documents = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert documents, path
+    for obj in documents:  # a file may hold several (a cascade and its tiers)
+        defaulted = crd.apply_defaults(SCHEMA, obj)
+        assert errors_of(defaulted) == [], obj["metadata"]["name"]
+        assert parse_manifest(defaulted).model_dump() == parse_manifest(obj).model_dump()
+        assert defaulted["spec"]["engine"]["tensorParallelSize"] == 1  # a default appears
 
 
 def test_examples_exist():

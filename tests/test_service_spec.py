@@ -18,6 +18,7 @@ from sluice.api.service import (
     load_manifests,
     parse_manifest,
 )
+from sluice.cascade.tiers import resolve_cascades
 from sluice.router.policy import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,8 +218,32 @@ def test_there_are_examples():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_example_parses(path):
-    service = load_manifest(path)
-    assert service.kind == KIND
+    """Each document parses, and a file's cascades resolve to the file's other services."""
+    services = load_manifests(path)
+    assert all(service.kind == KIND for service in services)
+    served, problems = resolve_cascades({s.metadata.name: (s.spec.model.name, s.spec.cascade)
+                                         for s in services})
+    assert problems == {}
+    assert len(served) == sum(s.spec.cascade is not None for s in services)
+
+
+def test_cascade_example():
+    services = {s.metadata.name: s for s in load_manifests(ROOT / "examples" / "cascade.yaml")}
+    assert list(services) == ["smollm2", "qwen-coder", "coder"]
+    coder = services["coder"].spec
+    assert coder.model.name == "coder" and coder.model.source is None
+    assert coder.cascade.tiers == ["smollm2", "qwen-coder"]
+    assert (coder.cascade.escalation.signal, coder.cascade.escalation.quantile,
+            coder.cascade.escalation.threshold) == ("logprob-quantile", 0.1, -1.0)
+    assert coder.cascade.streaming.mode == "buffer"
+    for tier, model in (("smollm2", "SmolLM2-135M-Instruct"),
+                        ("qwen-coder", "Qwen2.5-Coder-0.5B-Instruct")):
+        spec = services[tier].spec
+        assert (spec.model.name, spec.model.source) == (model, f"sluice://{model}")
+        assert spec.engine.native.kv_cache_gib == 0.25 and spec.resources.cpu == "1"
+    served, _ = resolve_cascades({n: (s.spec.model.name, s.spec.cascade)
+                                  for n, s in services.items()})
+    assert served["coder"].models == ("SmolLM2-135M-Instruct", "Qwen2.5-Coder-0.5B-Instruct")
 
 
 def test_smollm2_example():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -18,12 +19,14 @@ import psutil
 import pytest
 
 from conftest import free_port
-from sluice.api.service import parse_manifest
-from sluice.local.supervisor import (initial_replicas, router_arguments, router_child,
-                                    worker_arguments, worker_child, worker_threads)
+from sluice.api.service import load_manifests, parse_manifest
+from sluice.local.supervisor import (check_services, initial_replicas, plan, ready_banner,
+                                    router_arguments, router_child, worker_arguments,
+                                    worker_child, worker_threads)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2.yaml"
+CASCADE = ROOT / "examples" / "cascade.yaml"
 MODEL = "SmolLM2-135M-Instruct"
 slow = pytest.mark.slow  # starts model-loading processes
 
@@ -106,6 +109,106 @@ def test_initial_replicas_follow_the_autoscaling_bounds():
     assert initial_replicas(zero, None) == 0
     with pytest.raises(ValueError, match="nothing would serve"):
         initial_replicas(parse_manifest(manifest()), 0)
+
+
+# ------------------------------------------------------------------ several InferenceServices
+
+def planned(path: Path, tmp_path: Path, replicas: int | None = None):
+    """``plan`` for a manifest file, each model's folder faked as /models/NAME (no fetch)."""
+    services = load_manifests(path)
+    check_services(services, path)
+    args = argparse.Namespace(file=path, host="127.0.0.1", port=9000, replicas=replicas,
+                              log_level="INFO")
+    return services, plan(services, args, tmp_path / "workers.json",
+                          resolve=lambda s: f"/models/{s.metadata.name}")
+
+
+def after(argv: list[str], word: str) -> list[str]:
+    return argv[argv.index(word) + 1:]
+
+
+def test_a_cascade_manifest_runs_each_tiers_workers_behind_one_router(tmp_path):
+    """examples/cascade.yaml: one worker per tier (named after its InferenceService), none
+    for the cascade, and one router with every worker and --manifest FILE."""
+    services, up = planned(CASCADE, tmp_path)
+    assert [w.name for w in up.workers] == ["smollm2-worker-0", "qwen-coder-worker-0"]
+    smol, qwen = up.workers
+    for worker, folder, model in ((smol, "/models/smollm2", "SmolLM2-135M-Instruct"),
+                                  (qwen, "/models/qwen-coder", "Qwen2.5-Coder-0.5B-Instruct")):
+        assert after(worker.argv, "worker") == [
+            "--model", folder, "--served-model-name", model, "--kv-cache-gib", "0.25",
+            "--host", "127.0.0.1", "--port", worker.url.rsplit(":", 1)[1]]
+        assert worker.env == {"OMP_NUM_THREADS": "1"}  # resources.cpu: "1"
+    assert smol.url != qwen.url
+    assert after(up.router.argv, "router") == [
+        "--host", "127.0.0.1", "--port", "9000", "--policy", "slo", "--load-factor", "1.25",
+        "--worker", smol.url, "--worker", qwen.url, "--manifest", str(CASCADE.resolve())]
+    assert up.router.ready_workers == 2 and up.policy is None
+    banner = ready_banner(services, up, "0.0.0.0", 9000)
+    assert "sluice: ready at http://127.0.0.1:9000/v1, serving:\n" \
+        "  SmolLM2-135M-Instruct        smollm2: 1 worker(s)\n" \
+        "  Qwen2.5-Coder-0.5B-Instruct  qwen-coder: 1 worker(s)\n" \
+        "  coder                        coder: cascade of smollm2 -> qwen-coder\nTry:\n" \
+        "  curl http://127.0.0.1:9000/v1/chat/completions " in banner
+    assert '"model": "coder"' in banner
+
+
+def test_replicas_override_applies_to_every_service_and_one_service_keeps_its_names(tmp_path):
+    _, up = planned(CASCADE, tmp_path, replicas=2)
+    assert [w.name for w in up.workers] == ["smollm2-worker-0", "smollm2-worker-1",
+                                            "qwen-coder-worker-0", "qwen-coder-worker-1"]
+    assert up.router.ready_workers == 4
+    services, up = planned(EXAMPLE, tmp_path)  # one InferenceService: names as before
+    assert [w.name for w in up.workers] == ["worker-0", "worker-1"]
+    assert "--manifest" not in up.router.argv
+    assert up.router.argv[-4:] == ["--worker", up.workers[0].url, "--worker", up.workers[1].url]
+    assert "sluice: smollm2 ready at http://127.0.0.1:9000/v1 (model SmolLM2-135M-Instruct, " \
+        "2 worker(s)). Try:\n  curl " in ready_banner(services, up, "127.0.0.1", 9000)
+
+
+def cascade_file(tmp_path: Path, old: str, new: str) -> Path:
+    path = tmp_path / "cascade.yaml"
+    text = CASCADE.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))  # the first document that has it
+    return path
+
+
+def test_a_cascade_whose_tier_does_not_resolve_exits_2_naming_the_field(tmp_path):
+    path = cascade_file(tmp_path, "tiers: [smollm2, qwen-coder]", "tiers: [smollm2, qwen]")
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f", str(path),
+                             "--port", str(free_port())], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert f"{path}: InferenceService 'coder': spec.cascade.tiers[1]: no InferenceService " \
+        "'qwen' in this namespace" in result.stderr
+    assert "started" not in result.stderr
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("  replicas: 1\n  resources:\n    cpu: \"1\"\n---\napiVersion",
+     "  replicas: 1\n  maxReplicas: 2\n  autoscaling: {enabled: true}\n  resources:\n"
+     "    cpu: \"1\"\n---\napiVersion",
+     "InferenceService 'smollm2': spec.autoscaling.enabled: sluice up autoscales a manifest "
+     "of one InferenceService, and this one runs the workers of 2"),
+    ("    name: Qwen2.5-Coder-0.5B-Instruct\n", "    name: SmolLM2-135M-Instruct\n",
+     "spec.model.name 'SmolLM2-135M-Instruct' is declared by InferenceServices 'smollm2' and "
+     "'qwen-coder'"),
+    ("  replicas: 1\n  resources:\n    cpu: \"1\"\n---\napiVersion",
+     "  replicas: 1\n  slo: {ttftMs: 300}\n  resources:\n    cpu: \"1\"\n---\napiVersion",
+     "InferenceServices 'smollm2' and 'qwen-coder' differ in spec.slo: sluice up runs one "
+     "router for all of them"),
+    ("  name: smollm2\n", "  name: smollm2\n", None),  # unchanged: accepted
+], ids=["autoscaling", "served-name-twice", "objectives-differ", "example"])
+def test_what_several_services_in_one_manifest_must_agree_on(tmp_path, old, new, words):
+    path = cascade_file(tmp_path, old, new)
+    services = load_manifests(path)
+    if words is None:
+        check_services(services, path)
+        return
+    with pytest.raises(ValueError) as error:
+        check_services(services, path)
+    assert str(error.value).startswith(f"{path}: ") and words in str(error.value)
 
 
 def test_pvc_source_is_refused_locally(tmp_path):

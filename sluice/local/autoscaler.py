@@ -38,7 +38,7 @@ ROUTER = "router"  # the one router's id in the snapshots
 
 @dataclass
 class _Draining:
-    child: Any  # supervisor.Child
+    child: Any  # processes.Child
     deadline: float
 
 

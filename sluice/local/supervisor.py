@@ -1,11 +1,21 @@
-"""`sluice up -f MANIFEST`: run an InferenceService as local processes.
+"""`sluice up -f MANIFEST`: run the InferenceServices of a manifest as local processes.
 
-Starts ``spec.replicas`` workers on free ports of 127.0.0.1 and one router in front of
-them, each in its own process group, with their output forwarded to this process's stdout
-prefixed by the child's name. Waits (with a deadline) until all are healthy, prints the
-endpoint and a curl line, then supervises: a child that dies is logged and restarted with
-backoff. Ctrl-C or SIGTERM stops every child (SIGTERM, then SIGKILL after a grace period)
-and exits 0.
+The manifest holds one InferenceService, or several (YAML documents separated by ``---``),
+e.g. a cascade and its tiers. Every InferenceService that is not a cascade gets its
+``spec.replicas`` workers on free ports of 127.0.0.1 (named ``worker-0``, ... for a single
+one, ``NAME-worker-0``, ... when there are several); one router fronts them all, started with
+``--manifest FILE`` when the file holds a cascade (the router serves the cascade's name from
+its tiers). A cascade whose tiers do not resolve (``sluice.cascade.tiers.resolve_cascades``)
+is refused before anything starts (exit 2, naming the field).
+
+The processes (``sluice.local.processes``) are waited for until healthy, then the endpoint,
+each served name and a curl line are printed, and a child that dies is restarted with
+backoff. Ctrl-C or SIGTERM stops every child and exits 0.
+
+Autoscaling (``spec.autoscaling.enabled``) works for a manifest of one InferenceService:
+workers come and go through the router's workers file (``sluice.local.autoscaler``). A
+manifest that runs the workers of several refuses it (exit 2): their workers would share
+one workers file and one machine's cores, and no per-service driver exists yet.
 """
 
 from __future__ import annotations
@@ -15,16 +25,13 @@ import itertools
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,63 +39,25 @@ from pathlib import Path
 import httpx
 from prometheus_client import start_http_server
 
-from sluice.api.service import InferenceService, load_manifest
+from sluice.api.service import InferenceService, load_manifests
 from sluice.api.worker_args import worker_arguments
 from sluice.argtypes import port
 from sluice.autoscale.policy import Config
+from sluice.cascade.tiers import resolve_cascades
 from sluice.local.autoscaler import LocalAutoscaler
+from sluice.local.processes import Child, StartupError, Supervisor
 
 logger = logging.getLogger(__name__)
 
-MAX_RESTART_BACKOFF = 30.0  # seconds
-STABLE_AFTER = 60.0  # seconds up after which a crash counts as the first in a row
-
-
-class StartupError(RuntimeError):
-    """A child exited or stayed unhealthy past the deadline while starting."""
-
-
-@dataclass
-class Child:
-    """One supervised process.
-
-    Attributes:
-        name: log prefix, e.g. ``worker-0`` or ``router``.
-        argv: the command line.
-        url: base URL whose ``/health`` tells readiness.
-        proc: the running process, or None before start.
-        started: ``time.monotonic()`` of the last start.
-        crashes: crashes in a row (reset after ``STABLE_AFTER`` seconds up).
-        restart_at: when to restart it after a crash (monotonic seconds), or None.
-        ready_workers: for the router, how many workers its ``/health`` must list as ready;
-            None for a worker (its ``/health`` 200 is enough).
-        env: extra environment variables (e.g. a worker's ``OMP_NUM_THREADS``).
-        retired_at: when it was stopped on purpose (scaled down), or None: a retired child
-            is not restarted, and is forgotten once it exited.
-    """
-
-    name: str
-    argv: list[str]
-    url: str
-    ready_workers: int | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    retired_at: float | None = None
-    proc: subprocess.Popen | None = None
-    started: float = 0.0
-    crashes: int = 0
-    restart_at: float | None = None
-    pump: threading.Thread | None = field(default=None, repr=False)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-f", "--file", required=True, type=Path, help="InferenceService YAML")
+    parser.add_argument("-f", "--file", required=True, type=Path,
+                        help="InferenceService YAML (one, or several separated by ---)")
     parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
     parser.add_argument("--port", type=port, default=8000, help="port the router binds")
     parser.add_argument("--replicas", type=int, default=None,
-                        help="override spec.replicas (number of worker processes)")
+                        help="override spec.replicas (worker processes) of every "
+                        "InferenceService that runs workers")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for every process to become healthy")
     parser.add_argument("--metrics-port", type=port, default=None,
@@ -98,52 +67,67 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between SIGTERM and SIGKILL when stopping children")
 
 
+@dataclass
+class Pool:
+    """The workers of one InferenceService that runs them (not a cascade).
+
+    Attributes:
+        service: its manifest.
+        worker_args: its ``sluice worker`` flags (``worker_arguments``).
+        env: its workers' extra environment (``OMP_NUM_THREADS``).
+        prefix: its workers' name prefix: ``NAME-`` when the manifest runs several pools.
+        workers: its workers, in start order.
+    """
+
+    service: InferenceService
+    worker_args: list[str]
+    env: dict[str, str]
+    prefix: str = ""
+    workers: list[Child] = field(default_factory=list)
+
+    def worker(self, index: int, log_level: str) -> Child:
+        """Worker ``index`` of this pool on a free port (not started)."""
+        return worker_child(self.service.spec.engine.name, self.worker_args, index, log_level,
+                            self.env, self.prefix)
+
+
+@dataclass
+class Plan:
+    """What ``sluice up`` starts for a manifest.
+
+    Attributes:
+        pools: one per InferenceService that runs workers, in manifest order.
+        router: the one router, in front of every pool.
+        policy: the autoscaling policy of the only pool, or None (autoscaling off).
+        workers_file: the router's workers file (with autoscaling).
+    """
+
+    pools: list[Pool]
+    router: Child
+    policy: Config | None
+    workers_file: Path
+
+    @property
+    def workers(self) -> list[Child]:
+        return [w for pool in self.pools for w in pool.workers]
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit codes: 0 stopped by Ctrl-C/SIGTERM; 1 a child failed to start; 2 bad input
-    (manifest, model source, busy port)."""
+    (manifest, a cascade's tiers, model source, busy port)."""
+    state_dir = Path(tempfile.mkdtemp(prefix="sluice-up-"))
     try:
-        service = load_manifest(args.file)
-        replicas = initial_replicas(service, args.replicas)
+        services = load_manifests(args.file)
+        check_services(services, args.file)
         _check_port_free(args.host, args.port)  # before a fetch that may take minutes
-        model_path = resolve_model(service)
-        worker_args = worker_arguments(service, model_path)
-        scaling = service.spec.autoscaling
-        policy = Config.from_spec(service.spec) if scaling.enabled else None
-        most = max(replicas, policy.max_replicas if policy else replicas)
-        env = {"OMP_NUM_THREADS": str(worker_threads(service, most))}
-        workers = [worker_child(service.spec.engine.name, worker_args, i, args.log_level, env)
-                   for i in range(replicas)]
-        router_args = router_arguments(service)
-        state_dir = Path(tempfile.mkdtemp(prefix="sluice-up-"))
-        workers_file = state_dir / "workers.json"
-        if policy is not None:
-            router_args += ["--discovery", "file", "--workers-file", str(workers_file),
-                            "--hold-timeout", str(scaling.hold_seconds)]
-        else:
-            router_args += [a for w in workers for a in ("--worker", w.url)]
-        router = router_child(args.host, args.port, args.log_level, router_args, replicas)
+        up = plan(services, args, state_dir / "workers.json")
     except Exception as exc:  # bad manifest, model fetch failure, busy port: one line, exit 2
         logger.error("%s", exc)
+        shutil.rmtree(state_dir, ignore_errors=True)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe otherwise
-    supervisor = Supervisor([*workers, router], grace_period=args.grace_period)
-    on_tick = lambda: None  # noqa: E731
-    if policy is not None:
-        names = itertools.count(replicas)
-
-        def add_worker() -> Child:
-            child = worker_child(service.spec.engine.name, worker_args, next(names),
-                                 args.log_level, env)
-            supervisor.add(child)
-            return child
-
-        scaler = LocalAutoscaler(service.spec.model.name, policy, router.url, workers_file,
-                                 add_worker, supervisor.retire, workers,
-                                 drain_s=scaling.drain_seconds)
-        if args.metrics_port:
-            start_http_server(args.metrics_port, "127.0.0.1", registry=scaler.metrics.registry)
-        poll = httpx.Client(timeout=2.0, trust_env=False)
-        on_tick = lambda: scaler.tick(poll)  # noqa: E731
+    supervisor = Supervisor([*up.workers, up.router], grace_period=args.grace_period)
+    on_tick = _autoscaler(up, supervisor, args) if up.policy is not None else lambda: None
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -151,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         supervisor.start_all()
         if not supervisor.wait_healthy(args.startup_timeout, stop):
             return 0  # stopped by a signal while starting
-        print_ready(service, args.host, args.port, replicas, policy)
+        print(ready_banner(services, up, args.host, args.port), flush=True)
         supervisor.supervise(stop, on_tick=on_tick)
         return 0
     except StartupError as exc:
@@ -160,6 +144,111 @@ def run(args: argparse.Namespace) -> int:
     finally:
         supervisor.stop_all()
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def check_services(services: list[InferenceService], path: str | Path) -> None:
+    """What ``sluice up`` needs of a manifest beyond each InferenceService's own validation.
+
+    Raises:
+        ValueError: naming the file, the InferenceService and the field: a cascade whose
+            tiers do not resolve (``resolve_cascades``: an unknown name, a cascade, a tier
+            serving the cascade's name); one ``spec.model.name`` declared twice; with the
+            workers of several InferenceServices, ``spec.autoscaling.enabled``, or a
+            ``spec.routing`` or ``spec.slo`` objective that differs between them (one router
+            serves them all, with one set of flags).
+    """
+    _, problems = resolve_cascades({s.metadata.name: (s.spec.model.name, s.spec.cascade)
+                                    for s in services})
+    if problems:
+        raise ValueError("; ".join(f"{path}: InferenceService {name!r}: {problem}"
+                                   for name, problem in sorted(problems.items())))
+    owners: dict[str, str] = {}
+    for service in services:
+        owner = owners.setdefault(service.spec.model.name, service.metadata.name)
+        if owner != service.metadata.name:
+            raise ValueError(f"{path}: spec.model.name {service.spec.model.name!r} is declared "
+                             f"by InferenceServices {owner!r} and {service.metadata.name!r}: "
+                             "the router could not tell them apart")
+    pools = [s for s in services if s.spec.cascade is None]
+    if len(pools) == 1:
+        return
+    for service in pools:
+        if service.spec.autoscaling.enabled:
+            raise ValueError(f"{path}: InferenceService {service.metadata.name!r}: "
+                             "spec.autoscaling.enabled: sluice up autoscales a manifest of one "
+                             f"InferenceService, and this one runs the workers of {len(pools)}; "
+                             "turn it off here, or run that InferenceService from its own file")
+    first = pools[0]
+    for service in pools[1:]:
+        differs = ("spec.routing" if service.spec.routing != first.spec.routing else
+                   "spec.slo" if router_arguments(service) != router_arguments(first) else None)
+        if differs:
+            raise ValueError(f"{path}: InferenceServices {first.metadata.name!r} and "
+                             f"{service.metadata.name!r} differ in {differs}: sluice up runs "
+                             "one router for all of them, with one routing strategy and one "
+                             "objective; make them equal")
+
+
+def plan(services: list[InferenceService], args: argparse.Namespace, workers_file: Path,
+         resolve: Callable[[InferenceService], str] | None = None) -> Plan:
+    """The children for a manifest that passed ``check_services``; nothing is started.
+
+    Args:
+        services: the manifest's InferenceServices (``load_manifests``).
+        args: the flags (``file``, ``host``, ``port``, ``replicas``, ``log_level``).
+        workers_file: where the router's workers file goes (with autoscaling).
+        resolve: an InferenceService → its local model folder (default ``resolve_model``,
+            which may fetch for minutes).
+
+    Raises:
+        ValueError: from ``initial_replicas``, ``worker_arguments``, ``resolve_model``.
+        sluice.models.store.ModelStoreError: see ``resolve_model``.
+    """
+    resolve = resolve or resolve_model
+    serving = [s for s in services if s.spec.cascade is None]
+    counts = [initial_replicas(s, args.replicas) for s in serving]  # before any fetch
+    alone = len(serving) == 1
+    policy = Config.from_spec(serving[0].spec) \
+        if alone and serving[0].spec.autoscaling.enabled else None
+    most = max(sum(counts), policy.max_replicas if policy else 0)
+    pools = []
+    for service, count in zip(serving, counts):
+        env = {"OMP_NUM_THREADS": str(worker_threads(service, most))}
+        pool = Pool(service, worker_arguments(service, resolve(service)), env,
+                    "" if alone else f"{service.metadata.name}-")
+        pool.workers = [pool.worker(i, args.log_level) for i in range(count)]
+        pools.append(pool)
+    router_args = router_arguments(serving[0])
+    if policy is not None:
+        router_args += ["--discovery", "file", "--workers-file", str(workers_file),
+                        "--hold-timeout", str(serving[0].spec.autoscaling.hold_seconds)]
+    else:
+        router_args += [a for pool in pools for w in pool.workers for a in ("--worker", w.url)]
+    if len(serving) < len(services):  # cascades: the router resolves their tiers from it
+        router_args += ["--manifest", str(Path(args.file).resolve())]
+    router = router_child(args.host, args.port, args.log_level, router_args, sum(counts))
+    return Plan(pools, router, policy, workers_file)
+
+
+def _autoscaler(up: Plan, supervisor: Supervisor, args: argparse.Namespace
+                ) -> Callable[[], None]:
+    """The supervisor's tick for the only pool's autoscaler (``up.policy`` is set)."""
+    assert up.policy is not None and len(up.pools) == 1
+    pool = up.pools[0]
+    names = itertools.count(len(pool.workers))
+
+    def add_worker() -> Child:
+        child = pool.worker(next(names), args.log_level)
+        supervisor.add(child)
+        return child
+
+    scaler = LocalAutoscaler(pool.service.spec.model.name, up.policy, up.router.url,
+                             up.workers_file, add_worker, supervisor.retire, pool.workers,
+                             drain_s=pool.service.spec.autoscaling.drain_seconds)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, "127.0.0.1", registry=scaler.metrics.registry)
+    poll = httpx.Client(timeout=2.0, trust_env=False)
+    return lambda: scaler.tick(poll)
 
 
 def initial_replicas(service: InferenceService, override: int | None) -> int:
@@ -244,8 +333,8 @@ def router_arguments(service: InferenceService) -> list[str]:
 
 
 def worker_child(engine: str, worker_args: list[str], index: int, log_level: str = "INFO",
-                 env: dict[str, str] | None = None) -> Child:
-    """Worker ``index`` on a free local port.
+                 env: dict[str, str] | None = None, prefix: str = "") -> Child:
+    """Worker ``index`` on a free local port, named ``{prefix}worker-{index}``.
 
     Raises:
         ValueError: from ``worker_python``.
@@ -253,7 +342,8 @@ def worker_child(engine: str, worker_args: list[str], index: int, log_level: str
     port = free_port()
     argv = [worker_python(engine), "-m", "sluice.cli", "--log-level", log_level, "worker",
             *worker_args, "--host", "127.0.0.1", "--port", str(port)]
-    return Child(f"worker-{index}", argv, f"http://127.0.0.1:{port}", env=dict(env or {}))
+    return Child(f"{prefix}worker-{index}", argv, f"http://127.0.0.1:{port}",
+                 env=dict(env or {}))
 
 
 def router_child(host: str, port: int, log_level: str, router_args: list[str],
@@ -284,179 +374,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def print_ready(service: InferenceService, host: str, port: int, replicas: int,
-                policy: Config | None = None) -> None:
+def ready_banner(services: list[InferenceService], up: Plan, host: str, port: int) -> str:
+    """What is printed once every child is healthy: the endpoint, what it serves (each
+    served name, cascades included) and a curl line (for the first cascade's name when the
+    manifest has one, else the first model's)."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
-    body = json.dumps({"model": service.spec.model.name,
+    cascades = [s for s in services if s.spec.cascade is not None]
+    model = (cascades or [p.service for p in up.pools])[0].spec.model.name
+    body = json.dumps({"model": model,
                        "messages": [{"role": "user", "content": "Hello! Who are you?"}],
                        "max_tokens": 64})
-    scaling = f", autoscaling {policy.min_replicas}-{policy.max_replicas}" if policy else ""
-    print(f"\nsluice: {service.metadata.name} ready at {url}/v1 "
-          f"(model {service.spec.model.name}, {replicas} worker(s){scaling}). Try:\n"
-          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d {shlex.quote(body)}\n", flush=True)
-
-
-class Supervisor:
-    """Starts, watches, restarts and stops a list of children.
-
-    Args:
-        children: the processes, router last.
-        grace_period: seconds between SIGTERM and SIGKILL in ``stop_all``.
-    """
-
-    def __init__(self, children: list[Child], grace_period: float = 10.0):
-        self.children = children
-        self.grace_period = grace_period
-
-    def start_all(self) -> None:
-        for child in self.children:
-            self._start(child)
-
-    def add(self, child: Child) -> None:
-        """Start one more child (a worker added by the autoscaler)."""
-        self.children.insert(-1, child)  # the router stays last
-        self._start(child)
-
-    def retire(self, child: Child) -> None:
-        """SIGTERM a child on purpose (scale-down): it finishes its in-flight requests and
-        exits; it is not restarted, and ``supervise`` forgets it once it has exited."""
-        child.retired_at = time.monotonic()
-        if child.alive():
-            _signal_group(child.proc, signal.SIGTERM)
-        logger.info("stopping %s (scaled down)", child.name)
-
-    def _start(self, child: Child) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
-        child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-        child.started = time.monotonic()
-        child.restart_at = None
-        child.pump = threading.Thread(target=_forward_output, args=(child.name, child.proc),
-                                      name=f"log-{child.name}", daemon=True)
-        child.pump.start()
-        logger.info("started %s (pid %d): %s", child.name, child.proc.pid, child.url)
-
-    def wait_healthy(self, timeout: float, stop: threading.Event) -> bool:
-        """Block until every worker's ``/health`` answers 200 and the router's lists all
-        workers as ready. Returns False if ``stop`` was set meanwhile.
-
-        Raises:
-            StartupError: a child exited, or the deadline passed.
-        """
-        deadline = time.monotonic() + timeout
-        pending = list(self.children)
-        with httpx.Client(timeout=2.0) as client:
-            while pending:
-                for child in list(pending):
-                    if not child.alive():
-                        raise StartupError(f"{child.name} exited with code {child.proc.returncode} "
-                                           "while starting (see its output above)")
-                    if _healthy(client, child):
-                        logger.info("%s is healthy", child.name)
-                        pending.remove(child)
-                if not pending:
-                    break
-                if time.monotonic() > deadline:
-                    names = ", ".join(c.name for c in pending)
-                    raise StartupError(f"not healthy after {timeout:.0f} s: {names}")
-                if stop.wait(0.25):
-                    return False
-        return True
-
-    def supervise(self, stop: threading.Event, period: float = 0.5,
-                  on_tick: Callable[[], None] = lambda: None) -> None:
-        """Until ``stop`` is set: log children that exit and restart them with backoff,
-        forget retired children that exited, and call ``on_tick`` (the autoscaler)."""
-        while not stop.wait(period):
-            now = time.monotonic()
-            try:
-                on_tick()
-            except Exception:  # a bug there must not stop supervision
-                logger.exception("autoscaler tick failed")
-            for child in list(self.children):
-                if child.retired_at is not None:
-                    overdue = now - child.retired_at > self.grace_period
-                    if not child.alive() or overdue:
-                        if overdue and child.alive():
-                            logger.warning("%s did not stop in %.0f s; killing it", child.name,
-                                           self.grace_period)
-                        _signal_group(child.proc, signal.SIGKILL)  # grandchildren too
-                        self.children.remove(child)
-                        logger.info("%s stopped", child.name)
-                    continue
-                if child.restart_at is not None:
-                    if now >= child.restart_at:
-                        logger.info("restarting %s", child.name)
-                        self._start(child)
-                    continue
-                if child.alive():
-                    continue
-                up_for = now - child.started
-                child.crashes = 1 if up_for > STABLE_AFTER else child.crashes + 1
-                delay = min(2.0 ** (child.crashes - 1), MAX_RESTART_BACKOFF)
-                child.restart_at = now + delay
-                logger.error("%s exited with code %s after %.0f s; restarting in %.0f s",
-                             child.name, child.proc.returncode, up_for, delay)
-
-    def stop_all(self) -> None:
-        """SIGTERM every child's process group, wait up to the grace period, then SIGKILL."""
-        running = [c for c in self.children if c.alive()]
-        for child in running:
-            _signal_group(child.proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_period
-        for child in running:
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0f s; killing it", child.name,
-                               self.grace_period)
-                _signal_group(child.proc, signal.SIGKILL)
-                child.proc.wait()
-        for child in self.children:  # the group may hold grandchildren; leave none behind
-            if child.proc is not None:
-                _signal_group(child.proc, signal.SIGKILL)
-            if child.pump is not None:
-                child.pump.join(timeout=2.0)
-        if running:
-            logger.info("stopped %d process(es)", len(running))
-
-
-def _healthy(client: httpx.Client, child: Child) -> bool:
-    try:
-        response = client.get(f"{child.url}/health")
-        if child.ready_workers is None:
-            return response.status_code == 200
-        ready = [w for w in response.json().get("workers", []) if w.get("ready")]
-        return len(ready) >= child.ready_workers
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return False
-
-
-def _signal_group(proc: subprocess.Popen, signum: int) -> None:
-    try:
-        os.killpg(proc.pid, signum)
-    except (ProcessLookupError, PermissionError):  # the whole group is gone already
-        pass
-
-
-# uvicorn access-log lines of the health polls (router → workers, us → everyone): one per
-# second per process, and never interesting when they succeed.
-_POLL_LINE = re.compile(r'"GET /(health|metrics|v1/models) HTTP/1\.[01]" (200|503)')
-
-
-def _forward_output(name: str, proc: subprocess.Popen) -> None:
-    """Copy a child's output lines to our stdout, prefixed with ``[name]``, until EOF
-    (successful health-poll access lines are dropped)."""
-    assert proc.stdout is not None
-    for line in iter(proc.stdout.readline, b""):
-        text = line.decode(errors="replace")
-        if _POLL_LINE.search(text):
-            continue
-        try:
-            sys.stdout.write(f"[{name}] {text}")
-            sys.stdout.flush()
-        except (OSError, ValueError):  # our stdout is gone; keep draining so the child never blocks
-            pass
-    proc.stdout.close()
+    if len(services) == 1:
+        (pool,) = up.pools
+        scaling = (f", autoscaling {up.policy.min_replicas}-{up.policy.max_replicas}"
+                   if up.policy else "")
+        serving = (f"sluice: {pool.service.metadata.name} ready at {url}/v1 (model {model}, "
+                   f"{len(pool.workers)} worker(s){scaling}). Try:")
+    else:
+        width = max(len(s.spec.model.name) for s in services)
+        rows = [f"  {p.service.spec.model.name:<{width}}  {p.service.metadata.name}: "
+                f"{len(p.workers)} worker(s)" for p in up.pools]
+        rows += [f"  {c.spec.model.name:<{width}}  {c.metadata.name}: cascade of "
+                 f"{' -> '.join(c.spec.cascade.tiers)}" for c in cascades if c.spec.cascade]
+        serving = f"sluice: ready at {url}/v1, serving:\n" + "\n".join(rows) + "\nTry:"
+    return (f"\n{serving}\n  curl {url}/v1/chat/completions -H 'Content-Type: "
+            f"application/json' -d {shlex.quote(body)}\n")
