@@ -19,6 +19,7 @@ from sluice.operator.controller import Controller
 from sluice.operator.kube import ApiError
 from sluice.operator.resources import InvalidSpec, ModelCache, OperatorConfig
 from sluice.operator.settings import OperatorOptions, configure
+from sluice.operator.status import tiers_not_ready
 from test_operator_resources import ENDPOINTS, deployment_status, isvc
 
 NOW = "2026-11-29T10:00:00Z"
@@ -398,9 +399,14 @@ def test_a_cascade_becomes_valid_when_its_missing_tier_is_created():
         "spec.cascade.tiers[1]: no InferenceService 'big' in this namespace"
     big = isvc(name="big", model=BIG)
     kube.isvcs[("team-a", "big")] = big
+    assert tiers_not_ready(["smol", "big"], list(kube.isvcs.values())) == \
+        ["smol (NoReplicasReady)", "big (no status yet)"]
     run(ctl.resync(["team-a"]))  # the periodic reconcile
     assert kube.condition("Ready", name="coder") == ("False", "TiersNotReady")
     assert kube.condition("Degraded", name="coder") == ("False", "AsExpected")
+    # coder was refreshed before big had a status; big's first Ready refreshed it again
+    assert message(kube, "Ready", "coder") == \
+        "tiers not ready: smol (NoReplicasReady); big (NoReplicasReady)"
 
 
 # ------------------------------------------------------------------ kopf settings, flags
