@@ -1,4 +1,4 @@
-"""The `sluice` command: up | worker | router | models | operator | bench | profile.
+"""The `sluice` command: up | worker | router | models | operator | bench | profile | cascade.
 
 Each component module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and keeps
 heavy imports (torch) inside ``run``, so ``sluice router --help`` stays fast.
@@ -20,6 +20,8 @@ COMMANDS = {
     "bench": ("sluice.bench.cli", "load an OpenAI endpoint: TTFT/ITL/E2E, goodput, cost"),
     "profile": ("sluice.bench.profile", "one replica's capacity (req/s) at the SLO's tail, "
                 "for spec.autoscaling.capacityRPS"),
+    "cascade": ("sluice.cascade.cli", "record a cascade's tiers on an eval set; calibrate "
+                "its escalation threshold"),
 }
 
 

@@ -1,0 +1,187 @@
+"""``sluice cascade record | calibrate``: record every tier's answers, then set the threshold.
+
+    sluice cascade record --url http://127.0.0.1:8000 --cascade coder --tiers small,big \\
+        --set mix --out records.jsonl            # resumable: rerun to continue
+    sluice cascade calibrate --records records.jsonl --tiers small,big \\
+        --target-top-share 0.3 [--pre-route-share 0.1] [--out calibration.json]
+
+``calibrate`` prints a table (each tier alone, the cascade on all items, the held-out
+halves) and the YAML to paste under ``spec.cascade``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from sluice.cascade.policy import SIGNALS
+
+
+def _names(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if len(names) < 2:
+        raise argparse.ArgumentTypeError(f"need at least 2 comma-separated tiers, got {text!r}")
+    return names
+
+
+def _costs(text: str) -> list[float]:
+    try:
+        costs = [float(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"costs {text!r} are not comma-separated numbers")
+    if any(not c > 0 for c in costs):
+        raise argparse.ArgumentTypeError(f"costs {text!r} must be positive")
+    return costs
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not within [0, 1]")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    rec = sub.add_parser("record", help="record every tier's answers to an eval set "
+                         "through the router (resumable)")
+    rec.add_argument("--url", default="http://127.0.0.1:8000", help="the router")
+    rec.add_argument("--cascade", required=True, help="the cascade's served model name")
+    rec.add_argument("--tiers", type=_names, required=True,
+                     help="tier InferenceService names, smallest first, comma-separated")
+    rec.add_argument("--set", dest="which", default="mix",
+                     choices=("arithmetic", "humaneval", "mix"))
+    rec.add_argument("--sample", type=int, default=None,
+                     help="items (default: arithmetic 100, humaneval 164, mix 164 + 164)")
+    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--steps", type=int, default=4, help="arithmetic: operations per problem")
+    rec.add_argument("--max-value", type=int, default=100, help="arithmetic: number size")
+    rec.add_argument("--timeout", type=float, default=600.0, help="seconds per answer")
+    rec.add_argument("--out", default="records.jsonl", help="JSONL, appended to")
+
+    cal = sub.add_parser("calibrate", help="the threshold for a target top-tier share, "
+                         "checked on held-out halves; prints the spec.cascade YAML")
+    cal.add_argument("--records", required=True, help="JSONL from `sluice cascade record`")
+    cal.add_argument("--tiers", type=_names, required=True, help="smallest first")
+    cal.add_argument("--costs", type=_costs, default=None, help="per tier (default 1,2,4,...)")
+    cal.add_argument("--signal", default="logprob-quantile", choices=SIGNALS)
+    cal.add_argument("--quantile", type=float, default=0.1)
+    cal.add_argument("--target-top-share", type=_fraction, default=0.3)
+    cal.add_argument("--pre-route-share", type=_fraction, default=None,
+                     help="fit a pre-route model that sends at most this share straight to "
+                     "the top tier (default: no pre-route)")
+    cal.add_argument("--splits", type=int, default=20, help="held-out random halves")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def run(args: argparse.Namespace) -> int:
+    return record(args) if args.action == "record" else calibrate(args)
+
+
+def record(args: argparse.Namespace) -> int:
+    from sluice.cascade import recorder
+
+    try:
+        items = recorder.select_items(args.which, args.sample, args.seed, args.steps,
+                                      args.max_value)
+        summary = recorder.record(items, args.tiers, args.url, args.cascade, args.out,
+                                  timeout_s=args.timeout)
+    except (ValueError, ImportError, recorder.RecordError) as e:
+        print(f"sluice cascade record: {e}", file=sys.stderr)
+        return 2
+    for tier in args.tiers:
+        n = summary.answered.get(tier, 0)
+        print(f"{tier}: {summary.correct.get(tier, 0)}/{n} correct this run")
+    print(f"recorded {summary.recorded}, already there {summary.skipped}, failed "
+          f"{summary.failed} (rerun to retry) → {args.out}")
+    return 1 if summary.failed else 0
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from sluice.cascade.calibrate import Replay, held_out, load_records, snippet
+
+    path = Path(args.records)
+    if not path.exists():
+        print(f"sluice cascade calibrate: {path} does not exist", file=sys.stderr)
+        return 2
+    try:
+        replay = Replay.build(load_records(path), args.tiers, args.signal, args.quantile,
+                              args.costs)
+        if len(replay) < 4:
+            raise ValueError(f"{len(replay)} items answered by every tier of "
+                             f"{','.join(args.tiers)}; need >= 4")
+        pre = (replay.fit_pre_route(args.pre_route_share)
+               if args.pre_route_share is not None else None)
+    except (ValueError, KeyError, TypeError) as e:
+        print(f"sluice cascade calibrate: {e}", file=sys.stderr)
+        return 2
+    routed = {i for i, p in zip(replay.ids, replay.prompts) if pre and pre.routes(p)}
+    threshold = replay.threshold_for_share(args.target_top_share, routed)
+    outcome = replay.simulate(threshold, routed)
+    splits = {"held out": held_out(replay, target=args.target_top_share, splits=args.splits,
+                                   seed=args.seed)}
+    if pre is not None:
+        splits["held out, pre-routed"] = held_out(
+            replay, target=args.target_top_share, splits=args.splits, seed=args.seed,
+            pre_route_share=args.pre_route_share)
+    split = splits[list(splits)[-1]]
+    from rich.console import Console
+    Console().print(table(replay, outcome, splits))
+    if pre is not None:
+        hits = "" if pre.hit_rate is None else f", tier 0 wrong on {pre.hit_rate:.0%} of them"
+        print(f"pre-route: {pre.share:.1%} of all items straight to the top tier{hits}; "
+              f"held out: {split.pre_routed.mean:.1%}")
+    text = snippet(threshold, args.signal, args.quantile, pre, comment=(
+        f"sluice cascade calibrate: {len(replay)} items, target top-tier share "
+        f"{args.target_top_share:g}\nheld out ({args.splits} halves): "
+        f"{split.relative_accuracy.mean:.1%} of the top tier's accuracy, "
+        f"{split.top_share.mean:.1%} at the top tier, {split.relative_cost.mean:.2f} of its cost"
+        "\npaste under spec.cascade:"))
+    print(text, end="")
+    if args.out:
+        result = {"records": str(path), "tiers": list(replay.tiers), "costs": list(replay.costs),
+                  "signal": args.signal, "quantile": args.quantile, "items": len(replay),
+                  "target_top_share": args.target_top_share, "threshold": threshold,
+                  "all_items": outcome.to_json(), "held_out": split.to_json(),
+                  "held_out_without_pre_route": splits["held out"].to_json(),
+                  "tier_accuracy": replay.tier_accuracy(),
+                  "pre_route": None if pre is None else vars(pre), "snippet": text}
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def table(replay, outcome, splits):
+    """Each tier alone, the cascade on all items, the held-out halves (mean ± sd), each of
+    ``splits`` (label → ``HeldOut``) a row."""
+    from rich.table import Table
+
+    kinds = sorted(set(replay.kinds))
+    t = Table(title=f"cascade {' → '.join(replay.tiers)}: {len(replay)} items, "
+              f"{replay.signal}", header_style="bold")
+    for col in ("", "accuracy", "vs top", "top share", "cost vs top", *kinds):
+        t.add_column(col, justify="left" if not col else "right")
+    top_cost = outcome.top_cost
+    by_kind = {k: replay.tier_accuracy(k) for k in kinds}
+    top_acc = outcome.top_accuracy
+    for j, tier in enumerate(replay.tiers):
+        acc = sum(c[j] for c in replay.correct) / len(replay)
+        cost = sum(s[j] for s in replay.spent) / len(replay)
+        t.add_row(f"{tier} alone", f"{acc:.1%}", f"{acc / top_acc:.1%}" if top_acc else "-",
+                  "100%" if j == replay.top else "0%", f"{cost / top_cost:.2f}",
+                  *(f"{by_kind[k][tier]:.1%}" for k in kinds))
+    t.add_row(f"cascade, all items (threshold {outcome.threshold:.4g})",
+              f"{outcome.accuracy:.1%}", f"{outcome.relative_accuracy:.1%}",
+              f"{outcome.top_share:.1%}", f"{outcome.relative_cost:.2f}",
+              *(f"{outcome.kind_accuracy.get(k, 0):.1%}" for k in kinds))
+    for label, split in splits.items():
+        t.add_row(f"{label}, {split.splits} halves (mean ± sd)",
+                  f"{split.accuracy.mean:.1%} ± {split.accuracy.sd:.1%}",
+                  f"{split.relative_accuracy.mean:.1%} ± {split.relative_accuracy.sd:.1%}",
+                  f"{split.top_share.mean:.1%} ± {split.top_share.sd:.1%}",
+                  f"{split.relative_cost.mean:.2f} ± {split.relative_cost.sd:.2f}",
+                  *("" for _ in kinds))
+    return t

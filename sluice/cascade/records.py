@@ -1,0 +1,112 @@
+"""The cascade's recorded answers: one JSONL line per (item, tier), written by
+``sluice.cascade.recorder`` and replayed by ``sluice.cascade.calibrate``.
+
+A line::
+
+    {"id": "HumanEval/3", "kind": "code", "tier": "qwen-0-5b", "correct": true,
+     "scores": {"q": 0.1, "quantile": -0.41, "min": -2.3, "mean": -0.08, "entropy": 0.12,
+                "tokens": 87},
+     "logprobs": [-0.0012, ...], "prompt_tokens": 140, "completion_tokens": 87,
+     "answer": "...", "seconds": 6.2, "prompt": "..."}
+
+``scores`` are ``policy.answer_scores`` at quantile ``q``; ``logprobs`` (natural log, 4
+decimals) let any other quantile be replayed; ``prompt`` is the text the router's pre-route
+sees (the user message), for ``fit_pre_route``.
+
+Lines are appended one at a time and flushed, so a crash tears at most the last line, which
+reading skips (and a resumed recording redoes).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sluice.cascade.policy import Scores, answer_scores
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUANTILE = 0.1  # CascadeEscalationSpec.quantile's default
+
+
+@dataclass(frozen=True)
+class Record:
+    """One tier's answer to one item.
+
+    Attributes:
+        id, kind: the ``evalset.Item``'s.
+        tier: the InferenceService that answered.
+        correct: ``evalset.check`` on the answer.
+        scores: ``answer_scores`` at quantile ``q`` of the answer's token logprobs.
+        q: the quantile ``scores.quantile`` was taken at.
+        logprobs: the generated tokens' logprobs (natural log), for other quantiles.
+        prompt_tokens, completion_tokens: the response's ``usage``.
+        answer: the answer's text (first 2,000 characters).
+        seconds: the request's wall time.
+        prompt: the text the router's pre-route reads ("" when not recorded).
+    """
+
+    id: str
+    kind: str
+    tier: str
+    correct: bool
+    scores: Scores
+    q: float
+    logprobs: tuple[float, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    answer: str = ""
+    seconds: float = 0.0
+    prompt: str = ""
+
+    def score(self, signal: str, quantile: float = DEFAULT_QUANTILE) -> float:
+        """The signal's score; a quantile other than ``q`` is recomputed from ``logprobs``."""
+        if signal == "logprob-quantile" and not math.isclose(quantile, self.q):
+            return answer_scores(self.logprobs, q=quantile).quantile
+        return self.scores.signal(signal)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["scores"] = {"q": out.pop("q"), **out["scores"]}
+        out["logprobs"] = [round(lp, 4) for lp in self.logprobs]
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> Record:
+        """Raises KeyError/TypeError/ValueError on a malformed line."""
+        s = dict(data["scores"])
+        q = float(s.pop("q", DEFAULT_QUANTILE))
+        return cls(str(data["id"]), str(data["kind"]), str(data["tier"]), bool(data["correct"]),
+                   Scores(**s), q, tuple(float(x) for x in data["logprobs"]),
+                   int(data["prompt_tokens"]), int(data["completion_tokens"]),
+                   data.get("answer", ""), float(data.get("seconds", 0.0)),
+                   data.get("prompt", ""))
+
+
+def _lines(path: Path) -> Iterable[dict]:
+    """The parsed lines of a JSONL file; a torn last line (a crash mid-write) is skipped."""
+    if not path.exists():
+        return
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                logger.warning("%s:%d: not JSON, skipped (a torn write?)", path, n)
+
+
+def load_records(path: str | Path) -> list[Record]:
+    """Every record of a JSONL file, in file order (a later duplicate wins in ``Replay``)."""
+    return [Record.from_json(d) for d in _lines(Path(path))]
+
+
+def done_pairs(path: str | Path) -> set[tuple[str, str]]:
+    """The (item id, tier) pairs already recorded in ``path`` (empty if it does not exist):
+    what a resumed ``record`` skips."""
+    return {(str(d["id"]), str(d["tier"])) for d in _lines(Path(path)) if "id" in d and "tier" in d}

@@ -1,0 +1,261 @@
+"""Cascade calibration on synthetic records with known answers: the replay's accuracy, share
+and cost; the threshold for a share; held-out halves; the pre-route fit; the record file's
+resume logic; the CLI and bench/cascade.py end to end (no model, no server)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from sluice.api.service import CascadeSpec
+from sluice.cascade import recorder
+from sluice.cascade.calibrate import (Record, Replay, fit_pre_route, held_out, simulate,
+                                      snippet, threshold_for_share)
+from sluice.cascade.evalset import arithmetic_problems
+from sluice.cascade.policy import FEATURES, Scores, answer_scores
+from sluice.cascade.preroute import solve
+from sluice.cascade.records import done_pairs, load_records
+
+ROOT = Path(__file__).resolve().parents[1]
+TIERS = ["small", "big"]
+COSTS = [1.0, 4.0]
+CODE = "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n"
+
+
+def rec(id: str, tier: str, correct: bool, score: float, kind: str = "arithmetic",
+        prompt: str = "", tokens: tuple[int, int] = (10, 20)) -> Record:
+    """A record whose every signal reads ``score`` (all its 5 tokens have that logprob)."""
+    return Record(id, kind, tier, correct, answer_scores([score] * 5), 0.1, (score,) * 5,
+                  tokens[0], tokens[1], "answer", 1.0, prompt)
+
+
+def ten() -> list[Record]:
+    """Item i: the small tier scores -0.1 - 0.2 i and is right exactly when its score > -1
+    (items 0-4); the big tier is right on all but item 9 and scores -0.05."""
+    out = []
+    for i in range(10):
+        score = -0.1 - 0.2 * i
+        out += [rec(f"item-{i}", "small", score > -1, score),
+                rec(f"item-{i}", "big", i != 9, -0.05)]
+    return out
+
+
+def test_simulate_counts_accuracy_share_and_every_tier_paid():
+    o = simulate(ten(), TIERS, threshold=-1.0, costs=COSTS)
+    # items 5-9 escalate; 0-4 right on small, 5-8 right on big, 9 wrong
+    assert (o.items, o.accuracy, o.top_share, o.shares) == (10, 0.9, 0.5, (0.5, 0.5))
+    # small: 30 tokens x 1; big: 30 x 4; escalated items pay both
+    assert o.cost == pytest.approx((5 * 30 + 5 * 150) / 10) == 90.0
+    assert o.wasted == pytest.approx(15.0)
+    assert (o.top_accuracy, o.top_cost) == (0.9, 120.0)
+    assert o.relative_accuracy == pytest.approx(1.0) and o.relative_cost == pytest.approx(0.75)
+    assert o.kind_accuracy == {"arithmetic": 0.9}
+    nothing = simulate(ten(), TIERS, threshold=-5.0, costs=COSTS)
+    assert (nothing.accuracy, nothing.top_share, nothing.cost) == (0.5, 0.0, 30.0)
+    everything = simulate(ten(), TIERS, threshold=0.0, costs=COSTS)
+    assert (everything.accuracy, everything.top_share, everything.cost) == (0.9, 1.0, 150.0)
+
+
+def test_pre_routed_items_skip_the_small_tier():
+    o = simulate(ten(), TIERS, threshold=-1.0, costs=COSTS, pre_routed={"item-0", "item-9"})
+    # item 0 loses nothing (big is right too) and pays 120 instead of 30; item 9 saves 30
+    assert (o.accuracy, o.top_share, o.pre_routed) == (0.9, 0.6, 0.2)
+    assert o.cost == pytest.approx((4 * 30 + 120 + 4 * 150 + 120) / 10)
+
+
+def test_threshold_for_share_hits_an_exact_share():
+    threshold = threshold_for_share(ten(), TIERS, 0.3, costs=COSTS)
+    assert threshold == pytest.approx(-1.3)  # the 4th lowest score: 3 below it escalate
+    assert simulate(ten(), TIERS, threshold).top_share == 0.3
+    assert threshold_for_share(ten(), TIERS, 0.35) == pytest.approx(-1.3)  # not above
+    assert threshold_for_share(ten(), TIERS, 0.0) == pytest.approx(-1.9)  # escalates nothing
+    assert threshold_for_share(ten(), TIERS, 1.0) == 0.0
+    replay = Replay.build(ten(), TIERS)
+    # two low scorers pre-routed count towards the share: one more escalation (item 7) fits
+    assert replay.threshold_for_share(0.3, {"item-8", "item-9"}) == pytest.approx(-1.3)
+    with pytest.raises(ValueError, match="within"):
+        replay.threshold_for_share(1.5)
+
+
+def test_other_signals_and_quantiles_replay_from_the_logprobs():
+    r = Record("a", "code", "small", True, answer_scores([-0.1, -0.2, -3.0, -0.4]), 0.1,
+               (-0.1, -0.2, -3.0, -0.4), 5, 4)
+    assert r.score("logprob-quantile", 0.1) == pytest.approx(-3.0 + 0.3 * 2.6)
+    assert r.score("logprob-quantile", 0.5) == pytest.approx(-0.3)  # recomputed
+    assert (r.score("min-logprob"), r.score("mean-logprob")) == (-3.0, pytest.approx(-0.925))
+    back = Record.from_json(json.loads(json.dumps(r.to_json())))
+    assert back == r and r.to_json()["scores"]["q"] == 0.1
+
+
+def test_items_missing_a_tier_are_left_out():
+    replay = Replay.build(ten() + [rec("lonely", "small", True, -0.1)], TIERS)
+    assert len(replay) == 10 and "lonely" not in replay.ids
+    with pytest.raises(ValueError, match="costs"):
+        Replay.build(ten(), TIERS, costs=[1.0])
+    with pytest.raises(ValueError, match="signal"):
+        Replay.build(ten(), TIERS, signal="vibes")
+
+
+def test_held_out_is_deterministic_for_a_seed():
+    a = held_out(ten(), TIERS, target=0.3, costs=COSTS, splits=20, seed=7)
+    assert a == held_out(Replay.build(ten(), TIERS, costs=COSTS), target=0.3, splits=20, seed=7)
+    assert a.splits == 20 and len(a.thresholds) == 20
+    assert 0.0 <= a.top_share.min <= a.top_share.mean <= a.top_share.max <= 1.0
+    assert a.relative_cost.mean < 1.0 and a.pre_routed.max == 0.0
+    assert a.thresholds != held_out(ten(), TIERS, target=0.3, splits=20, seed=8).thresholds
+    with pytest.raises(ValueError, match=">= 4 items"):
+        held_out(ten()[:6], TIERS, target=0.3)
+
+
+def separable() -> list[Record]:
+    """20 items: code prompts are hard for the small tier, arithmetic prose is easy."""
+    out = []
+    for i in range(20):
+        code = i % 2 == 0
+        prompt = (CODE + "    # a step\n" * i if code else
+                  f"Maya has {i + 3} apples. She buys {i} more. How many apples does she have?")
+        kind = "code" if code else "arithmetic"
+        out += [rec(f"p{i}", "small", not code, -0.5 - 0.01 * i, kind, prompt),
+                rec(f"p{i}", "big", True, -0.1, kind, prompt)]
+    return out
+
+
+def test_fit_pre_route_separates_code_from_prose():
+    model = fit_pre_route(separable(), TIERS, max_share=0.5)
+    assert set(model.weights) == set(FEATURES) and model.weights["code"] > 0
+    for r in separable()[::2]:
+        assert model.routes(r.prompt) == (r.kind == "code"), r.prompt
+    assert (model.share, model.hit_rate) == (0.5, 1.0) and 0.5 <= model.threshold < 1
+    # at most a tenth pre-routed: two of the ten code prompts
+    assert fit_pre_route(separable(), TIERS, max_share=0.1).share == 0.1
+    with_pre = held_out(separable(), TIERS, target=0.5, splits=5, pre_route_share=0.5)
+    assert with_pre.pre_routed.mean > 0.3 and with_pre.relative_accuracy.mean >= 0.9
+
+
+def test_solve_matches_a_known_system():
+    assert solve([[2.0, 1.0], [1.0, 3.0]], [3.0, 5.0]) == pytest.approx([0.8, 1.4])
+    assert solve([[0.0, 1.0], [1.0, 0.0]], [2.0, 3.0]) == pytest.approx([3.0, 2.0])  # pivots
+
+
+def test_snippet_is_a_valid_cascade_spec():
+    model = fit_pre_route(separable(), TIERS, max_share=0.5)
+    text = snippet(-1.3, "logprob-quantile", 0.1, model, comment="calibrated\non 10 items")
+    assert text.startswith("# calibrated\n# on 10 items\nescalation:\n")
+    spec = CascadeSpec.model_validate({"tiers": TIERS, **yaml.safe_load(text)})
+    assert spec.escalation.threshold == -1.3 and spec.escalation.quantile == 0.1
+    assert spec.pre_route.weights.code == pytest.approx(model.weights["code"], abs=1e-6)
+    assert spec.pre_route.threshold == pytest.approx(model.threshold, abs=1e-6)
+    plain = yaml.safe_load(snippet(-2.0, "min-logprob"))
+    assert plain == {"escalation": {"signal": "min-logprob", "threshold": -2.0}}
+
+
+def write(path: Path, records: list[Record]) -> Path:
+    path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+    return path
+
+
+def test_done_pairs_lists_what_a_resumed_recording_skips(tmp_path):
+    path = write(tmp_path / "r.jsonl", ten()[:3])
+    with path.open("a") as f:
+        f.write('{"id": "item-1", "tier": "big", "corr')  # torn by a crash
+    assert done_pairs(path) == {("item-0", "small"), ("item-0", "big"), ("item-1", "small")}
+    assert len(load_records(path)) == 3
+    assert done_pairs(tmp_path / "absent.jsonl") == set()
+    recorder._end_with_newline(path)
+    assert path.read_text().endswith('"corr\n')
+
+
+def test_record_asks_each_tier_once_and_resumes(tmp_path):
+    """The request's shape, the line written, and a rerun that asks nothing (an in-process
+    httpx transport; no server)."""
+    items = arithmetic_problems(2, seed=1, steps=2, max_value=20)
+    asked = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        tier = request.headers["x-sluice-cascade"]
+        asked.append((body["messages"][0]["content"], tier))
+        assert (body["model"], body["temperature"], body["logprobs"]) == ("coder", 0, True)
+        assert body["max_tokens"] == 384
+        item = next(i for i in items if i.prompt == body["messages"][0]["content"])
+        text = f"Answer: {item.answer + (tier == 'small')}"  # small is off by one
+        content = [{"token": "x", "logprob": -0.5, "top_logprobs": [{"token": "x",
+                                                                     "logprob": -0.5}]}] * 3
+        return httpx.Response(200, headers={"x-sluice-tier": tier}, json={
+            "choices": [{"message": {"content": text}, "logprobs": {"content": content}}],
+            "usage": {"prompt_tokens": 50, "completion_tokens": 3}})
+
+    out = tmp_path / "r.jsonl"
+    client = httpx.Client(transport=httpx.MockTransport(answer))
+    summary = recorder.record(items, TIERS, "http://router", "coder", out, client=client,
+                              progress=False)
+    assert (summary.recorded, summary.skipped, summary.failed) == (4, 0, 0)
+    assert summary.correct == {"small": 0, "big": 2}
+    records = load_records(out)
+    assert [(r.id, r.tier) for r in records] == [(i.id, t) for i in items for t in TIERS]
+    assert records[1].scores == Scores(-0.5, -0.5, -0.5, 0.0, 3)
+    assert (records[1].prompt_tokens, records[1].prompt) == (50, items[0].prompt)
+    again = recorder.record(items, TIERS, "http://router", "coder", out, client=client,
+                            progress=False)
+    assert (again.recorded, again.skipped, len(asked)) == (0, 4, 4)
+
+
+def mixed(n: int = 40) -> list[Record]:
+    """n items, half code: the small tier is right on easy items (score > -1), the big one
+    on all but every tenth; prompts included so the pre-route fits."""
+    out = []
+    for i in range(n):
+        kind = "code" if i % 2 else "arithmetic"
+        prompt = CODE if kind == "code" else f"Omar has {i} coins. How many now?"
+        score = -0.05 * i
+        out += [rec(f"m{i:02}", "small", score > -1, score, kind, prompt),
+                rec(f"m{i:02}", "big", i % 10 != 9, -0.02, kind, prompt, (10, 40))]
+    return out
+
+
+def test_cli_calibrate_prints_the_snippet(tmp_path):
+    path = write(tmp_path / "r.jsonl", mixed())
+    out = tmp_path / "cal.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "cascade", "calibrate", "--records", str(path),
+         "--tiers", "small,big", "--costs", "1,4", "--target-top-share", "0.5", "--splits",
+         "4", "--pre-route-share", "0.1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "escalation:\n  signal: logprob-quantile\n  quantile: 0.1\n  threshold: " in proc.stdout
+    assert "preRoute:\n  weights:\n    logChars: " in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["items"] == 40 and result["all_items"]["top_share"] <= 0.5
+    assert set(result["held_out"]) >= {"relative_accuracy", "top_share", "relative_cost"}
+    missing = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "cascade", "calibrate", "--records",
+         str(tmp_path / "none.jsonl"), "--tiers", "small,big"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_bench_cascade_writes_its_json(tmp_path):
+    path = write(tmp_path / "r.jsonl", mixed())
+    out = tmp_path / "cascade.json"
+    proc = subprocess.run([sys.executable, "bench/cascade.py", "--records", str(path),
+                           "--costs", "1,4", "--splits", "4", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {"tier_accuracy", "tier_relative_cost", "curves", "held_out", "pre_route",
+            "verdict", "smaller_tier_better_at"} <= set(result)
+    assert result["tiers"] == ["small", "big"]  # the file's order
+    assert set(result["curves"]) == {"q0.05", "q0.1", "q0.25", "min", "mean"}
+    assert set(result["held_out"]["q0.1"]) == {"0.2", "0.3", "0.4"}
+    assert result["tier_accuracy"]["code"]["big"] == 0.8  # 9, 19, 29, 39 are code
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    absent = subprocess.run([sys.executable, "bench/cascade.py", "--records",
+                             str(tmp_path / "none.jsonl"), "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert absent.returncode == 2 and "missing" in absent.stderr
