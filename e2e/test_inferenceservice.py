@@ -266,6 +266,58 @@ def test_an_edited_worker_deployment_is_put_back(sluice: Sluice):
         delete_isvc(sluice, name)
 
 
+def test_a_two_tier_cascade_is_served_through_the_router(sluice: Sluice):
+    """Two tiers (SmolLM2 under two served names, so the e2e stays light: the cascade's
+    wiring is under test, not its quality) and a cascade whose threshold 0 always
+    escalates: the operator reports it Ready (CascadeServing), the router finds it in the
+    namespace, answers from the second tier (x-sluice-tier, x-sluice-escalated), and
+    `x-sluice-cascade: off` keeps the first. A cascade naming a missing tier gets
+    InvalidSpec naming the field (issue 11)."""
+    tiers = {"tier-a": "e2e-tier-a", "tier-b": "e2e-tier-b"}
+    cascade = {"apiVersion": "serving.sluice.dev/v1alpha1", "kind": "InferenceService",
+               "metadata": {"name": "e2e-cascade"},
+               "spec": {"model": {"name": "e2e-cascade"},
+                        "cascade": {"tiers": list(tiers), "escalation": {"threshold": 0}}}}
+    broken = copy.deepcopy(cascade)
+    broken["metadata"]["name"] = broken["spec"]["model"]["name"] = "e2e-broken-cascade"
+    broken["spec"]["cascade"]["tiers"] = ["tier-a", "tier-missing"]
+    names = (*tiers, "e2e-cascade", "e2e-broken-cascade")
+    for name, model in tiers.items():
+        sluice.kubectl.apply(manifest(name, model))
+    sluice.kubectl.apply(cascade)
+    sluice.kubectl.apply(broken)
+    try:
+        wait_for("e2e-cascade: Ready=True CascadeServing",
+                 lambda: condition(sluice.isvc("e2e-cascade"), "Ready").get("reason")
+                 == "CascadeServing" or None, READY_TIMEOUT_S, lambda: sluice.state(names))
+        bad = wait_for("e2e-broken-cascade: InvalidSpec",
+                       lambda: condition(sluice.isvc("e2e-broken-cascade"), "Ready")
+                       if condition(sluice.isvc("e2e-broken-cascade"), "Ready").get("reason")
+                       == "InvalidSpec" else None, SHORT_TIMEOUT_S, lambda: sluice.state(names))
+        assert "spec.cascade.tiers[1]: no InferenceService 'tier-missing'" in bad["message"]
+
+        def ask(**headers: str) -> httpx.Response | None:
+            r = httpx.post(f"{sluice.router_url}/v1/completions", timeout=120, trust_env=False,
+                           headers=headers, json={"model": "e2e-cascade", "prompt": "Hello",
+                                                  "max_tokens": 4, "temperature": 0})
+            return r if r.status_code == 200 else None
+
+        escalated = wait_for("the router to serve e2e-cascade", ask, SHORT_TIMEOUT_S,
+                             lambda: sluice.state(names))
+        assert escalated.headers["x-sluice-tier"] == "tier-b"
+        assert escalated.headers["x-sluice-escalated"] == "true"
+        assert escalated.json()["model"] == "e2e-tier-b"
+        first = ask(**{"x-sluice-cascade": "off"})
+        assert first is not None and first.headers["x-sluice-tier"] == "tier-a"
+        assert first.json()["model"] == "e2e-tier-a"
+        models = httpx.get(f"{sluice.router_url}/v1/models", timeout=10, trust_env=False).json()
+        assert "e2e-cascade" in {m["id"] for m in models["data"]}
+        assert "e2e-broken-cascade" not in {m["id"] for m in models["data"]}
+    finally:
+        for name in names:
+            delete_isvc(sluice, name)
+
+
 def test_gpu_request_is_degraded_with_the_schedulers_message(sluice: Sluice):
     nodes = sluice.kubectl.get("nodes", namespaced=False)
     if any("nvidia.com/gpu" in (n["status"].get("allocatable") or {}) for n in nodes):

@@ -544,3 +544,20 @@ def test_router_follows_inferenceservices_and_ready_endpoints(cluster, tmp_path)
     assert watches and all(int(q["timeoutSeconds"]) > 0 for q in watches)
     assert {p for p, q in api.requests if q.get("watch") != "true"} == {GROUP_PATH, CORE_PATH}
     assert sum(1 for p, q in api.requests if q.get("watch") != "true" and p == CORE_PATH) >= 2
+
+
+def test_joined_serves_cascades_whose_tiers_resolve_and_declares_no_model_for_them():
+    from sluice.api.service import CascadeSpec
+    from sluice.router.discovery import ServiceView, joined
+
+    spec = CascadeSpec.model_validate({"tiers": ["a", "b"], "escalation": {"threshold": -1}})
+    broken = spec.model_copy(update={"tiers": ["a", "missing"]})
+    views = {"a": ServiceView("tier-a"), "b": ServiceView("tier-b"),
+             "c": ServiceView("coder", cascade=spec), "d": ServiceView("bad", cascade=broken)}
+    urls = {"a-worker": ["http://10.0.0.1:8000"], "b-worker": ["http://10.0.0.2:8000"]}
+    found, settings, cascades = joined(views, urls)
+    assert found.models == frozenset({"tier-a", "tier-b"})  # no "coder", no "bad"
+    assert found.urls == {"http://10.0.0.1:8000": "tier-a", "http://10.0.0.2:8000": "tier-b"}
+    assert list(cascades) == ["coder"]
+    assert cascades["coder"].policy.models == ("tier-a", "tier-b")
+    assert cascades["coder"].policy.tiers == ("a", "b")

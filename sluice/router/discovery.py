@@ -38,7 +38,7 @@ from typing import Any
 from sluice.api.service import API_VERSION, CascadeSpec, served_model, served_name_owners
 from sluice.cascade.tiers import resolve_cascades
 from sluice.operator.resources import MANAGED_SELECTOR, PLURAL, WORKER_PORT_NAME, WORKER_SUFFIX
-from sluice.router.cascade import cascades_of
+from sluice.router.cascade import Cascade, cascades_of
 from sluice.router.endpoints import EndpointSet, ModelSettings
 
 logger = logging.getLogger(__name__)
@@ -192,6 +192,19 @@ def discovered(models: Mapping[str, str | None], urls: Mapping[str, list[str]]) 
             listed.setdefault(url, model)
     return Discovered(dict(sorted(listed.items())),
                       frozenset(m for m in models.values() if m is not None))
+
+
+def joined(views: Mapping[str, ServiceView], urls: Mapping[str, list[str]]
+           ) -> tuple[Discovered, dict[str, ModelSettings], dict[str, Cascade]]:
+    """Both watched views → what ``EndpointSet.sync`` takes: the routable endpoints and
+    declared models (``discovered``; a cascade runs no workers, so its name is not
+    declared as a model), each served model's settings, and the cascades whose tiers
+    resolve (``resolve_cascades``; the operator reports the others as InvalidSpec). Of
+    InferenceServices sharing a served name, only the oldest counts (``serving``)."""
+    views = serving(views)
+    served, _ = resolve_cascades({k: (v.model, v.cascade) for k, v in views.items()})
+    workers = {k: v.model for k, v in views.items() if v.cascade is None}
+    return discovered(workers, urls), model_settings(views), cascades_of(served)
 
 
 # ------------------------------------------------------------------ list + watch
@@ -394,10 +407,7 @@ class KubernetesDiscovery:
         with self._lock:
             if not (self.isvcs.synced and self.worker_endpoints.synced):
                 return  # half a view would unlist every endpoint of the other half
-            views = serving(self.isvcs.view)
-            served, _ = resolve_cascades({k: (v.model, v.cascade) for k, v in views.items()})
-            now = (discovered({k: v.model for k, v in views.items()}, self.worker_endpoints.view),
-                   model_settings(views), cascades_of(served))
+            now = joined(self.isvcs.view, self.worker_endpoints.view)
             if now == self._last:
                 return
             self._last = now
