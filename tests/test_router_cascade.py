@@ -182,3 +182,48 @@ def test_a_client_that_leaves_aborts_the_running_tier(router, worker_url, qwen_w
     asyncio.run(leave())
     assert wait_until(lambda: idle([worker_url, qwen_worker]), 15)
     assert metric(qwen_worker, names.REQUEST_SUCCESS) == qwen_before
+
+
+def test_readme_cascade_commands_under_sluice_up(tmp_path):
+    """README's cascade section, as written: `sluice up -f examples/cascade.yaml`, its curl
+    (the answer names its tier), then `sluice cascade record` of two arithmetic problems
+    through that router and `sluice cascade calibrate` on what it recorded."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_up import Up
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Cascade routing"):readme.index("### Models")]
+    curl = re.search(r"^curl .*?\n(?:  .*\n)*", section, re.M).group(0)
+    up = Up([], tmp_path / "up.log", timeout=600, example=ROOT / "examples" / "cascade.yaml")
+    try:
+        result = subprocess.run(["bash", "-c", curl.replace("http://127.0.0.1:8000", up.url)],
+                                capture_output=True, text=True, timeout=600)
+        head, _, body = result.stdout.replace("\r\n", "\n").partition("\n\n")
+        assert head.startswith("HTTP/1.1 200"), result.stdout[-2000:]
+        tier = re.search(r"^x-sluice-tier: (\S+)$", head, re.M | re.I).group(1)
+        assert tier in ("smollm2", "qwen-coder")
+        assert json.loads(body)["choices"][0]["message"]["content"]
+        records = tmp_path / "records.jsonl"
+        cli = [sys.executable, "-m", "sluice.cli", "cascade"]
+        record = subprocess.run([*cli, "record", "--url", up.url, "--cascade", "coder",
+                                 "--tiers", "smollm2,qwen-coder", "--set", "arithmetic",
+                                 "--sample", "2", "--steps", "2", "--max-value", "20",
+                                 "--out", str(records)], capture_output=True, text=True,
+                                timeout=1200)
+        assert record.returncode == 0, record.stderr[-3000:]
+        lines = [json.loads(line) for line in records.read_text().splitlines()]
+        assert sorted((r["id"], r["tier"]) for r in lines) == sorted(
+            {(r["id"], t) for r in lines for t in ("smollm2", "qwen-coder")})
+        assert len(lines) == 4 and all(isinstance(r["correct"], bool) for r in lines)
+        calibrate = subprocess.run([*cli, "calibrate", "--records", str(records), "--tiers",
+                                    "smollm2,qwen-coder", "--target-top-share", "0.5",
+                                    "--splits", "2"], capture_output=True, text=True,
+                                   timeout=300)
+        assert calibrate.returncode == 0, calibrate.stderr[-3000:]
+        assert "escalation:" in calibrate.stdout and "  threshold: " in calibrate.stdout
+    finally:
+        up.close()
