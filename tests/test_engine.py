@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -343,3 +344,23 @@ def test_an_abort_that_arrives_with_its_add_still_aborts(model_path):
         assert_pool_idle(engine.engine)
     finally:
         engine.shutdown()
+
+
+def test_async_engine_reports_liveness_and_progress(model_path):
+    """What the worker's health watch reads: ``alive()`` (the step thread) and the computed
+    token count, which moves with every prefill chunk and decode step."""
+    from sluice.worker.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.1))
+    try:
+        assert engine.alive() and engine.stats().num_computed_tokens == 0
+        prompt = engine.engine.tokenizer.encode(PROMPTS[0])
+
+        async def run() -> None:
+            async for _ in engine.generate(prompt, greedy(max_tokens=5), "r"):
+                pass
+        asyncio.run(run())
+        assert engine.stats().num_computed_tokens == len(prompt) + 4
+    finally:
+        engine.shutdown()
+    assert not engine.alive()

@@ -40,14 +40,10 @@ class EngineDead(RuntimeError):
 
 
 def engine_alive(engine: Any) -> bool:
-    """Whether ``engine``'s loop still runs: its ``alive()`` when it has one; else its loop
-    thread (``_thread``: both engines step on one) is alive; True for an engine with
-    neither (a test double)."""
+    """Whether ``engine``'s loop still runs: its ``alive()`` (the native engine's step
+    thread; vLLM's loop thread and engine core); True for an engine without one."""
     alive = getattr(engine, "alive", None)
-    if callable(alive):
-        return bool(alive())
-    thread = getattr(engine, "_thread", None)
-    return thread is None or thread.is_alive()
+    return bool(alive()) if callable(alive) else True
 
 
 class EngineWatch:

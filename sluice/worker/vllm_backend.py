@@ -390,6 +390,12 @@ class VLLMEngine:
         """vLLM's load as of its latest engine step; safe from any thread."""
         return self._stats.snapshot
 
+    def alive(self) -> bool:
+        """Whether vLLM still serves: our event-loop thread runs and ``AsyncLLM`` has not
+        errored (its engine core process died: vLLM's ``errored``, which otherwise shows
+        here only as a stall)."""
+        return self._thread.is_alive() and not self._llm.errored
+
     def shutdown(self) -> None:
         """Stop vLLM's engine processes and the vllm-loop thread."""
         try:

@@ -42,6 +42,8 @@ class EngineStats:
         prefix_cache_hits: of those, tokens found cached (cumulative).
         spec_draft_tokens: speculative tokens proposed (cumulative).
         spec_accepted_tokens: of those, accepted by the target model (cumulative).
+        num_computed_tokens: tokens through the model, prefill chunks and decodes
+            (cumulative): the engine's progress, which ``sluice.worker.health`` watches.
     """
 
     num_running: int
@@ -52,6 +54,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    num_computed_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -156,7 +159,13 @@ class AsyncEngine:
             prefix_cache_hits=pool.prefix_cache_hits,
             spec_draft_tokens=self.engine.num_draft_tokens,
             spec_accepted_tokens=self.engine.num_accepted_tokens,
+            num_computed_tokens=self.engine.scheduler.num_computed_tokens_total,
         )
+
+    def alive(self) -> bool:
+        """Whether the engine's step thread still runs (it dies only on a bug: an error in
+        the step fails the requests in flight and the loop goes on)."""
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         """Stop the engine thread (live requests get no more output)."""
