@@ -281,7 +281,7 @@ def test_metrics_exposed(worker_url):
     assert "length" in reasons
 
 
-def _abort_deadline(url: str) -> float:
+def abort_deadline(url: str) -> float:
     """1 s, or three engine steps when the machine is slower than that.
 
     An abort lands at the start of the engine's next step, and the /metrics scrape that
@@ -314,7 +314,7 @@ def _wait_idle(url: str, deadline_s: float) -> tuple[float, float, float]:
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["stream", "non-stream"])
 def test_client_disconnect_aborts_generation(worker_url, streamed):
-    deadline = _abort_deadline(worker_url)
+    deadline = abort_deadline(worker_url)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
             "ignore_eos": True, "stream": streamed}
 
