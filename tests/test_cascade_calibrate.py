@@ -259,3 +259,12 @@ def test_bench_cascade_writes_its_json(tmp_path):
                              str(tmp_path / "none.jsonl"), "--out", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert absent.returncode == 2 and "missing" in absent.stderr
+
+
+def test_spread_leaves_out_undefined_splits():
+    import math
+
+    from sluice.cascade.calibrate import Spread
+
+    assert Spread.of([1.0, math.inf, 3.0]) == Spread(2.0, math.sqrt(2.0), 1.0, 3.0)
+    assert Spread.of([math.inf, math.inf]) == Spread(math.inf, 0.0, math.inf, math.inf)

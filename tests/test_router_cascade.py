@@ -186,8 +186,9 @@ def test_a_client_that_leaves_aborts_the_running_tier(router, worker_url, qwen_w
 
 def test_readme_cascade_commands_under_sluice_up(tmp_path):
     """README's cascade section, as written: `sluice up -f examples/cascade.yaml`, its curl
-    (the answer names its tier), then `sluice cascade record` of two arithmetic problems
-    through that router and `sluice cascade calibrate` on what it recorded."""
+    (the answer names its tier), then `sluice cascade record` of four arithmetic problems
+    through that router (answers cut at 48 tokens: the plumbing is under test, not the
+    models) and `sluice cascade calibrate` on what it recorded."""
     import re
     import subprocess
     import sys
@@ -211,14 +212,14 @@ def test_readme_cascade_commands_under_sluice_up(tmp_path):
         cli = [sys.executable, "-m", "sluice.cli", "cascade"]
         record = subprocess.run([*cli, "record", "--url", up.url, "--cascade", "coder",
                                  "--tiers", "smollm2,qwen-coder", "--set", "arithmetic",
-                                 "--sample", "2", "--steps", "2", "--max-value", "20",
+                                 "--sample", "4", "--steps", "2", "--max-value", "20", "--max-tokens", "48",
                                  "--out", str(records)], capture_output=True, text=True,
                                 timeout=1200)
         assert record.returncode == 0, record.stderr[-3000:]
         lines = [json.loads(line) for line in records.read_text().splitlines()]
         assert sorted((r["id"], r["tier"]) for r in lines) == sorted(
             {(r["id"], t) for r in lines for t in ("smollm2", "qwen-coder")})
-        assert len(lines) == 4 and all(isinstance(r["correct"], bool) for r in lines)
+        assert len(lines) == 8 and all(isinstance(r["correct"], bool) for r in lines)
         calibrate = subprocess.run([*cli, "calibrate", "--records", str(records), "--tiers",
                                     "smollm2,qwen-coder", "--target-top-share", "0.5",
                                     "--splits", "2"], capture_output=True, text=True,

@@ -254,7 +254,9 @@ def threshold_for_share(records: Iterable[Record], tiers: Sequence[str], target_
 # --- held-out halves ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Spread:
-    """A figure over the splits: mean, sample standard deviation, min, max."""
+    """A figure over the splits: mean, sample standard deviation, min, max. Splits where
+    it is undefined (a ratio to a top tier that got nothing right: inf) are left out; all
+    of them undefined gives inf."""
 
     mean: float
     sd: float
@@ -263,8 +265,11 @@ class Spread:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Spread:
-        return cls(statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0,
-                   min(values), max(values))
+        finite = [v for v in values if math.isfinite(v)]
+        if not finite:
+            return cls(math.inf, 0.0, math.inf, math.inf)
+        return cls(statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1
+                   else 0.0, min(finite), max(finite))
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rec.add_argument("--steps", type=int, default=4, help="arithmetic: operations per problem")
     rec.add_argument("--max-value", type=int, default=100, help="arithmetic: number size")
     rec.add_argument("--timeout", type=float, default=600.0, help="seconds per answer")
+    rec.add_argument("--max-tokens", type=int, default=None,
+                     help="completion tokens per answer, every kind (default: 384 for "
+                     "arithmetic, 512 for code)")
     rec.add_argument("--out", default="records.jsonl", help="JSONL, appended to")
 
     cal = sub.add_parser("calibrate", help="the threshold for a target top-tier share, "
@@ -87,8 +90,10 @@ def record(args: argparse.Namespace) -> int:
     try:
         items = recorder.select_items(args.which, args.sample, args.seed, args.steps,
                                       args.max_value)
+        limits = None if args.max_tokens is None else dict.fromkeys(
+            recorder.MAX_TOKENS, args.max_tokens)
         summary = recorder.record(items, args.tiers, args.url, args.cascade, args.out,
-                                  timeout_s=args.timeout)
+                                  max_tokens=limits, timeout_s=args.timeout)
     except (ValueError, ImportError, recorder.RecordError) as e:
         print(f"sluice cascade record: {e}", file=sys.stderr)
         return 2
