@@ -32,7 +32,7 @@ def isvc(name: str, model: str, **spec) -> dict:
 
 
 def cascade(name: str, threshold: float, mode: str = "buffer") -> dict:
-    return isvc(name, name, cascade={"tiers": ["smol", "qwen"],
+    return isvc(name, name, cascade={"tiers": ["smol", "qwen"], "costs": [3, 8],
                                      "escalation": {"threshold": threshold},
                                      "streaming": {"mode": mode, "prefixTokens": 4}})
 
@@ -104,6 +104,7 @@ def test_a_confident_answer_stays_on_the_first_tier(router, worker_url):
 
 def test_a_doubtful_answer_escalates_and_its_tokens_count_as_wasted(router, qwen_worker):
     before = cascade_metric(router, names.ROUTER_CASCADE_WASTED_TOKENS, cascade="unsure")
+    cost_before = cascade_metric(router, names.ROUTER_CASCADE_WASTED_COST, cascade="unsure")
     r = complete(router, "unsure")
     assert r.status_code == 200, r.text
     assert (r.headers["x-sluice-tier"], r.headers["x-sluice-escalated"]) == ("qwen", "true")
@@ -111,6 +112,9 @@ def test_a_doubtful_answer_escalates_and_its_tokens_count_as_wasted(router, qwen
     assert body["model"] == QWEN and body["usage"]["completion_tokens"] == 12
     assert cascade_metric(router, names.ROUTER_CASCADE_WASTED_TOKENS, cascade="unsure") \
         == before + 12
+    # priced at the first tier's spec.cascade.costs entry (3)
+    assert cascade_metric(router, names.ROUTER_CASCADE_WASTED_COST, cascade="unsure") \
+        == cost_before + 36
     assert cascade_metric(router, names.ROUTER_CASCADE_ESCALATIONS, cascade="unsure",
                           tier="smol", reason="low-score") >= 1
     assert cascade_metric(router, names.ROUTER_CASCADE_REQUESTS, cascade="unsure",

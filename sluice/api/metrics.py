@@ -52,6 +52,7 @@ ROUTER_CASCADE_REQUESTS = "sluice_router_cascade_requests_total"
 ROUTER_CASCADE_ESCALATIONS = "sluice_router_cascade_escalations_total"
 ROUTER_CASCADE_SCORE = "sluice_router_cascade_score"
 ROUTER_CASCADE_WASTED_TOKENS = "sluice_router_cascade_wasted_tokens_total"
+ROUTER_CASCADE_WASTED_COST = "sluice_router_cascade_wasted_cost_total"
 
 # autoscaler (operator in Kubernetes, the supervisor in `sluice up`; per model)
 AUTOSCALER_DESIRED = "sluice_autoscaler_desired_replicas"

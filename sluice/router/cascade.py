@@ -58,18 +58,21 @@ class Cascade:
         policy: its decisions (tiers, served names, threshold, pre-route).
         mode: ``buffer`` or ``prefix`` (streams).
         prefix_tokens: ``prefix``: tokens judged before streaming on.
+        costs: each tier's relative cost per token (``spec.cascade.costs``), which prices
+            the wasted tokens.
     """
 
     name: str
     policy: CascadePolicy
     mode: str = "buffer"
     prefix_tokens: int = 16
+    costs: tuple[float, ...] = ()
 
     @classmethod
     def from_resolved(cls, resolved: Resolved) -> Cascade:
         spec = resolved.spec
         return cls(resolved.name, CascadePolicy.from_spec(spec, resolved.models),
-                   spec.streaming.mode, spec.streaming.prefix_tokens)
+                   spec.streaming.mode, spec.streaming.prefix_tokens, tuple(spec.tier_costs()))
 
 
 def cascades_of(resolved: Mapping[str, Resolved]) -> dict[str, Cascade]:
@@ -149,6 +152,8 @@ async def serve(request: Request, cascade: Cascade, body: dict[str, Any], send: 
         await judged.discard()
         metrics.cascade_escalations.labels(cascade.name, policy.tiers[tier], "low-score").inc()
         metrics.cascade_wasted_tokens.labels(cascade.name, policy.tiers[tier]).inc(judged.tokens)
+        metrics.cascade_wasted_cost.labels(cascade.name, policy.tiers[tier]).inc(
+            judged.tokens * cascade.costs[tier])
         tier += 1
 
 

@@ -72,6 +72,9 @@ class RouterMetrics:
         self.cascade_wasted_tokens = Counter(
             names.ROUTER_CASCADE_WASTED_TOKENS, "Tokens a tier generated for answers that "
             "escalated (never sent).", ["cascade", "tier"], registry=reg)
+        self.cascade_wasted_cost = Counter(
+            names.ROUTER_CASCADE_WASTED_COST, "Those tokens priced at their tier's relative "
+            "cost (spec.cascade.costs).", ["cascade", "tier"], registry=reg)
 
 
 class DemandCollector:
