@@ -180,13 +180,11 @@ def compute_status(body: Mapping[str, Any], deployment: Mapping[str, Any] | None
     if conflict is not None and not invalid:
         _add_conflict(conditions, spec, conflict)
     before = _previous(body)
-    previous = {c.type: c for c in before.conditions}
-    generation = observed if observed is not None else before.observed_generation
+    generation, stamped = _stamped(before, conditions, now, observed)
     return InferenceServiceStatus(
         observed_generation=generation, replicas=replicas, ready_replicas=ready,
         selector=selector_string(name), endpoint=endpoint_url(name, namespace),
-        conditions=[_condition(previous, *c, generation=generation, now=now)
-                    for c in conditions],
+        conditions=stamped,
         desired_replicas=(before.desired_replicas if autoscaled and
                           before.desired_replicas is not None else desired),
         last_scale_time=before.last_scale_time, last_scale_reason=before.last_scale_reason,
@@ -225,13 +223,20 @@ def compute_cascade_status(body: Mapping[str, Any], neighbours: list[Mapping[str
                       (DEGRADED, "False", "AsExpected", "every tier resolves to a served model")]
     if conflict is not None and not problem:
         _add_conflict(conditions, spec, conflict)
-    before = _previous(body)
-    previous = {c.type: c for c in before.conditions}
-    generation = observed if observed is not None else before.observed_generation
+    generation, stamped = _stamped(_previous(body), conditions, now, observed)
     return InferenceServiceStatus(
         observed_generation=generation, replicas=0, ready_replicas=0, desired_replicas=0,
-        conditions=[_condition(previous, *c, generation=generation, now=now)
-                    for c in conditions])
+        conditions=stamped)
+
+
+def _stamped(before: InferenceServiceStatus, conditions: list[tuple[str, str, str, str]],
+             now: str, observed: int | None) -> tuple[int | None, list[Condition]]:
+    """(the observed generation: ``observed``, else the current status' own; the
+    conditions with their generation and transition times, ``_condition``)."""
+    previous = {c.type: c for c in before.conditions}
+    generation = observed if observed is not None else before.observed_generation
+    return generation, [_condition(previous, *c, generation=generation, now=now)
+                        for c in conditions]
 
 
 def cascade_problem(body: Mapping[str, Any], neighbours: list[Mapping[str, Any]]) -> str | None:
