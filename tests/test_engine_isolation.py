@@ -253,6 +253,17 @@ def test_one_requests_prompts_are_prefilled_like_one_long_prompt():
     assert sum(n for r, n in scheduled if r.group == "big") <= 16
 
 
+def test_a_fan_out_step_alone_is_two_chunks_not_the_whole_budget():
+    """The step a newcomer waits for is bounded: alone, a request of many prompts prefills
+    FAN_OUT_ALONE_CHUNKS (2) chunk thresholds a step, not the budget (2,048 by default)."""
+    config = EngineConfig(model="unused", block_size=4, max_num_seqs=64,
+                          max_num_batched_tokens=512, long_prefill_token_threshold=32)
+    s = Scheduler(config, num_blocks=1024)
+    for i in range(200):
+        s.add(seq(f"big-{i}", "big", prompt_len=5, max_tokens=1))
+    assert sum(n for _, n in s.schedule()) == 60  # 12 whole prompts; the 13th would pass 64
+
+
 def test_prefix_cache_counts_each_admitted_prompt_once():
     """A lookup undone because the request's prefill tokens are spent for the step (or the
     pool is short) is taken back out of the counters: /metrics' prefix-cache hit rate."""
