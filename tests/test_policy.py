@@ -262,11 +262,11 @@ def test_slo_predictions_use_queued_prefill_running_and_cached_prefix():
     system = "shared system prompt. " * 40
     request = RoutingRequest(MODEL, shape=shape({"prompt": system + "q1"}))
     index.record(request.shape.blocks, eps[0].url)
-    p = predict_all(eps, request, index)
+    p = predict_all(eps, request, index, now=0.0)
     assert p[0].cached_blocks == len(request.shape.blocks) and p[1].cached_blocks == 0
     assert p[0].ttft_s < p[1].ttft_s  # fewer uncached tokens
     Lease(eps[0], prefill_tokens=5_000)  # a long prefill queued ahead on w0
-    p = predict_all(eps, request, index)
+    p = predict_all(eps, request, index, now=0.0)
     assert p[0].ttft_s > p[1].ttft_s
     eps[1].reported = WorkerLoad(running=3, queued_prefill_tokens=9_000, at=1e12)  # fresh
     assert predict_all(eps, request, index, now=1e12)[1].features[1] == pytest.approx(9.0)
@@ -303,8 +303,8 @@ def test_a_new_endpoint_predicts_with_the_fleet_model_until_it_has_its_own():
     x_shape = shape({"prompt": "y" * 4000})  # 1,000 tokens
     for _ in range(100):  # the fleet learnt: 2 s per 1k uncached tokens
         fleet.ttft.update(ttft_features(0, 0, 1000, 0), 2.0)
-    assert predict(ep, x_shape, 0, fleet=fleet).ttft_s == pytest.approx(2.0, rel=0.1)
-    assert predict(ep, x_shape, 0).ttft_s < 1.0  # the prior alone
+    assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(2.0, rel=0.1)
+    assert predict(ep, x_shape, 0, 0.0).ttft_s < 1.0  # the prior alone
     for _ in range(MIN_OWN_UPDATES):
         ep.latency.ttft.update(ttft_features(0, 0, 1000, 0), 0.5)
-    assert predict(ep, x_shape, 0, fleet=fleet).ttft_s == pytest.approx(0.5, rel=0.2)
+    assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(0.5, rel=0.2)

@@ -14,8 +14,9 @@ import pytest
 from sluice.api import metrics as names
 from sluice.router.admission import Rejected
 from sluice.router.discovery import ServiceView, model_settings, service_view, serving
-from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
-from sluice.router.endpoints import Endpoint, EndpointSet, Lease, ModelSettings, WorkerLoad
+from sluice.router.dispatch import RELEASE_HOLD_S, BadRoutingHeader, Dispatcher, DispatchSettings
+from sluice.router.endpoints import (REPORT_FRESH_S, Endpoint, EndpointSet, Lease, ModelSettings,
+                                     WorkerLoad)
 from sluice.router.policy import LeastLoadPolicy, PrefixPolicy, SLOPolicy
 from sluice.router.metrics import RouterMetrics
 
@@ -26,11 +27,12 @@ def run(coro):
     return asyncio.new_event_loop().run_until_complete(coro)
 
 
-def fleet(n: int = 2, **settings) -> tuple[EndpointSet, Dispatcher]:
+def fleet(n: int = 2, clock=time.monotonic, **settings) -> tuple[EndpointSet, Dispatcher]:
     endpoints = EndpointSet([f"http://w{i}" for i in range(n)])
     for e in endpoints:
         e.ready, e.models, e.models_known = True, {MODEL: {"id": MODEL}}, True
-    return endpoints, Dispatcher(endpoints, DispatchSettings(**settings), RouterMetrics())
+    return endpoints, Dispatcher(endpoints, DispatchSettings(**settings), RouterMetrics(),
+                                 clock=clock)
 
 
 BODY = {"model": MODEL, "prompt": "Tell me a story. " * 20, "stream": True}
@@ -130,7 +132,7 @@ def test_lease_counts_prefill_until_the_first_token():
     a, b = Lease(e, prefill_tokens=100), Lease(e, prefill_tokens=50)
     assert (e.in_flight, e.prefilling, e.prefill_tokens) == (2, 2, 150)
     assert a.first_token() and not a.first_token()
-    assert (e.in_flight, e.prefilling, e.prefill_tokens, e.running()) == (2, 1, 50, 1)
+    assert (e.in_flight, e.prefilling, e.prefill_tokens, e.running(0.0)) == (2, 1, 50, 1)
     a.release()
     b.release()  # released before its first token: its prefill is dropped too
     assert (e.in_flight, e.prefilling, e.prefill_tokens) == (0, 0, 0)
@@ -204,3 +206,41 @@ def test_state_stays_bounded_over_many_requests():
     assert all((e.in_flight, e.prefilling, e.prefill_tokens) == (0, 0, 0) for e in endpoints)
     assert d.admission.models() == [] and len(d.context.prefix_index) <= 1_000
     assert len(d.errors) == 500 and 0 <= d.errors.mape < 10
+
+
+# ------------------------------------------------------------------ a virtual clock
+
+def test_decisions_read_only_the_injected_clock():
+    """A simulator drives the dispatcher on virtual time: the release hold, the freshness of
+    load reports and the queue wait all follow the injected clock, not the machine's."""
+    now = [5_000_000.0]  # far from time.monotonic(): any read of the real clock shows
+    endpoints, d = fleet(2, slo_ttft_ms=1000.0, clock=lambda: now[0])
+    w0, w1 = endpoints
+    leases = [Lease(e, prefill_tokens=50_000) for e in endpoints]  # both busy: the gate shuts
+
+    async def scenario():
+        first = d.routing_request(BODY, {}, arrival=now[0])
+        waiting = asyncio.create_task(d.admit(first))
+        await asyncio.sleep(0)
+        assert d.admission.waiting(MODEL) == 1
+        now[0] += 2.5
+        leases[0].first_token()
+        d.kick(MODEL)  # w0 is free: the head goes, and holds the gate until it is leased
+        assert await waiting  # it waited...
+        second = d.routing_request(BODY, {}, arrival=now[0])
+        assert not d.gate(second)  # ...and holds the gate on virtual time
+        now[0] += RELEASE_HOLD_S + 0.1
+        assert d.gate(second)
+
+    run(scenario())
+    assert d.metrics.registry.get_sample_value(
+        names.ROUTER_QUEUE_WAIT + "_sum") == pytest.approx(2.5)
+    leases[1].first_token()  # w1 has no prefill of the router's own ahead...
+    w1.reported = WorkerLoad(running=0, queued_prefill_tokens=90_000, at=now[0])
+    r = d.routing_request(BODY, {}, arrival=now[0])
+    _, fresh = run(d.choose([w1], r))
+    assert fresh.ttft_s > 10  # ...but its own report, fresh on virtual time, shows a queue
+    now[0] += REPORT_FRESH_S + 1
+    _, stale = run(d.choose([w1], r))
+    assert stale.ttft_s < 1
+

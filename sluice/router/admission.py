@@ -82,17 +82,21 @@ class AdmissionQueue(Generic[R]):
             request (e.g. from predicted drain time); at least 1 is sent.
         on_change: called with (model, waiting count, rejected reason or None) after every
             change, for metrics.
+        clock: the router's clock (seconds) that waits are measured on. (``queue_timeout``
+            is enforced by the event loop's own timer.)
     """
 
     def __init__(self, max_queue: int = 256, queue_timeout: float = 60.0,
                  retry_after: Callable[[str], float] = lambda model: 1.0,
-                 on_change: Callable[[str, int, str | None], None] = lambda *_: None):
+                 on_change: Callable[[str, int, str | None], None] = lambda *_: None,
+                 clock: Callable[[], float] = time.monotonic):
         if max_queue < 0 or queue_timeout <= 0:
             raise ValueError("max_queue must be ≥ 0 and queue_timeout > 0")
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.retry_after = retry_after
         self.on_change = on_change
+        self.clock = clock
         self._queues: dict[str, _ModelQueue[R]] = {}
         self._seq = itertools.count()
 
@@ -111,13 +115,13 @@ class AdmissionQueue(Generic[R]):
 
     async def admit(self, model: str, request: R, priority: int, deadline: float,
                     gate: Callable[[R], bool]) -> float:
-        """Return once ``request`` may be dispatched; the seconds it waited.
+        """Return once ``request`` may be dispatched; the seconds it waited (on ``clock``).
 
         Args:
             model: the served model name (one queue each).
             request: handed to ``gate`` when it reaches the head of the queue.
             priority: lower is served first.
-            deadline: ``time.monotonic()`` by which its first token is due.
+            deadline: when its first token is due, on ``clock``.
             gate: ``gate(request)`` is True when the request may be dispatched now.
 
         Raises:
@@ -134,7 +138,7 @@ class AdmissionQueue(Generic[R]):
             raise Rejected("queue_full", self._retry_after(model),
                            f"the router's queue for `{model}` is full and no replica is "
                            "predicted to meet this request's TTFT objective; retry later")
-        start = time.monotonic()
+        start = self.clock()
         waiter = _Waiter(priority, deadline, next(self._seq), request,
                          asyncio.get_running_loop().create_future())
         heapq.heappush(queue.heap, waiter)
@@ -156,7 +160,7 @@ class AdmissionQueue(Generic[R]):
                     pass
             self.on_change(model, queue.waiting(), None)
             self._drop_if_empty(model)
-        return time.monotonic() - start
+        return self.clock() - start
 
     def kick(self, model: str, gate: Callable[[R], bool]) -> bool:
         """Release the head of ``model``'s queue if ``gate`` lets it through.

@@ -26,9 +26,9 @@ from sluice.router.admission import AdmissionQueue
 from sluice.router.demand import Demand
 from sluice.router.endpoints import Endpoint, EndpointSet, ModelSettings
 from sluice.router.metrics import RouterMetrics
-from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES, PolicyContext,
-                                  Prediction, RoutingPolicy, RoutingRequest, make_policy, predict,
-                                  predict_all)
+from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES, Clock,
+                                  PolicyContext, Prediction, RoutingPolicy, RoutingRequest,
+                                  make_policy, predict, predict_all)
 from sluice.router.predictor import ErrorTracker, itl_features
 from sluice.router.prefix import KEY_CHARS, PrefixIndex, shape
 from sluice.router.tenants import PRIORITY_LIMIT
@@ -134,19 +134,24 @@ class Dispatcher:
         endpoints: the router's endpoint set (read; its per-endpoint models are fitted).
         settings: see ``DispatchSettings``.
         metrics: the router's metrics (queue, rejections, predictor error).
+        clock: the time every decision reads, seconds: ``time.monotonic`` in the router, a
+            virtual clock in a simulator. Arrivals, deadlines and load-report times passed
+            in must be on the same clock.
     """
 
     def __init__(self, endpoints: EndpointSet, settings: DispatchSettings,
-                 metrics: RouterMetrics):
+                 metrics: RouterMetrics, clock: Clock = time.monotonic):
         self.endpoints = endpoints
         self.settings = settings
         self.metrics = metrics
-        self.context = PolicyContext(PrefixIndex(), settings.load_factor)
+        self.clock = clock
+        self.context = PolicyContext(PrefixIndex(), settings.load_factor, clock=clock)
         self.policy: RoutingPolicy = make_policy(settings.policy, self.context)
         # model → (its InferenceService's strategy and load factor, the policy made for them)
         self._policies: dict[str, tuple[tuple[str, float], RoutingPolicy]] = {}
         self.admission: AdmissionQueue[RoutingRequest] = AdmissionQueue(
-            settings.max_queue, settings.queue_timeout, self._retry_after, self._queue_changed)
+            settings.max_queue, settings.queue_timeout, self._retry_after, self._queue_changed,
+            clock)
         self.errors = ErrorTracker()
         self.demand = Demand()  # what the autoscaler reads (GET /autoscale/demand)
         self.mean_ttft_s = 0.0  # EWMA of observed TTFTs (Retry-After estimates)
@@ -206,15 +211,15 @@ class Dispatcher:
 
     def gate(self, request: RoutingRequest) -> bool:
         """True when ``request`` may be sent now (see the module docstring)."""
+        now = self.clock()
         released = self._releasing.get(request.model)
-        if released is not None and time.monotonic() - released < RELEASE_HOLD_S:
+        if released is not None and now - released < RELEASE_HOLD_S:
             return False
         candidates = self.endpoints.ready_for(request.model)
         if not candidates or request.deadline is None:
             return True  # nothing to wait for: the proxy answers (503 without workers)
         if any(e.prefilling == 0 for e in candidates):
             return True
-        now = time.monotonic()
         budget = request.budget_s(now)
         return any(p.ttft_s <= budget for p in predict_all(
             candidates, request, self.context.prefix_index, now, self.context.fleet))
@@ -247,7 +252,7 @@ class Dispatcher:
 
     def kick(self, model: str) -> None:
         if self.admission.kick(model, self.gate):
-            self._releasing[model] = time.monotonic()
+            self._releasing[model] = self.clock()
 
     def tick(self) -> None:
         """Re-check every queue and held request (after a poll: workers may have turned
@@ -295,7 +300,7 @@ class Dispatcher:
         matched = self.context.prefix_index.match(request.shape.blocks) \
             if request.shape.blocks else {}
         return endpoint, predict(endpoint, request.shape, matched.get(endpoint.url, 0),
-                                 fleet=self.context.fleet)
+                                 self.clock(), self.context.fleet)
 
     def policy_for(self, model: str) -> RoutingPolicy:
         """The policy its InferenceService names (``spec.routing``), else ``--policy``.

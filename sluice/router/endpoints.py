@@ -89,7 +89,7 @@ class WorkerLoad:
         waiting: requests waiting for admission there.
         kv_usage: used fraction of its KV-cache blocks, 0..1.
         queued_prefill_tokens: prompt tokens of its requests that have no first token yet.
-        at: ``time.monotonic()`` when the router received the report.
+        at: the router's clock (seconds) when it received the report.
     """
 
     running: float = 0.0
@@ -173,25 +173,25 @@ class Endpoint:
                 "models": sorted(self.models), "in_flight": self.in_flight,
                 "prefilling": self.prefilling}
 
-    def report(self, now: float | None = None) -> WorkerLoad | None:
-        """The worker's load report if it is fresh (younger than ``REPORT_FRESH_S``)."""
-        now = time.monotonic() if now is None else now
+    def report(self, now: float) -> WorkerLoad | None:
+        """The worker's load report if it is fresh at ``now`` (the router's clock, seconds):
+        younger than ``REPORT_FRESH_S``."""
         if self.reported is None or now - self.reported.at > REPORT_FRESH_S:
             return None
         return self.reported
 
-    def queued_prefill_tokens(self, now: float | None = None) -> float:
+    def queued_prefill_tokens(self, now: float) -> float:
         """Prefill work ahead of a new request: the router's own count, or the worker's
         fresh report when that is larger (traffic from elsewhere)."""
         report = self.report(now)
         return max(self.prefill_tokens, report.queued_prefill_tokens if report else 0.0)
 
-    def running(self, now: float | None = None) -> float:
+    def running(self, now: float) -> float:
         """Requests decoding there: the router's count, or a larger fresh report."""
         report = self.report(now)
         return max(self.in_flight - self.prefilling, report.running if report else 0.0)
 
-    def kv_usage(self, now: float | None = None) -> float:
+    def kv_usage(self, now: float) -> float:
         report = self.report(now)
         return report.kv_usage if report else 0.0
 

@@ -13,7 +13,6 @@ latency observations, the tenant's token charge, and its ejection.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any
 
 from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
@@ -35,7 +34,7 @@ class Exchange:
         state: the router's state (metrics, dispatcher).
         routing: the request's routing view.
         endpoint: where it is sent.
-        start: ``time.monotonic()`` at its arrival at the router.
+        start: its arrival at the router, on the dispatcher's clock (seconds).
         prediction: the policy's prediction for it there.
         charge: its tenant's charge (settled, with the usage, when it completes), if any.
     """
@@ -44,8 +43,9 @@ class Exchange:
                  start: float, prediction: Prediction, charge: Charge | None = None):
         self.state, self.routing, self.model, self.start = state, routing, routing.model, start
         self.endpoint, self.prediction, self.charge = endpoint, prediction, charge
+        self.clock = state.dispatcher.clock
         self.lease = Lease(endpoint, prefill_tokens=prediction.features[3] * 1000.0)
-        self.sent_at = time.monotonic()
+        self.sent_at = self.clock()
         self.status = 0
         self.ejected: str | None = None  # why its endpoint was ejected while it waited
         self._task: asyncio.Task | None = None  # the proxy's task while it waits
@@ -91,7 +91,7 @@ class Exchange:
 
     def on_headers(self, status: int, headers: Any) -> None:
         self.status = status
-        report = WorkerLoad.from_headers(headers, time.monotonic())
+        report = WorkerLoad.from_headers(headers, self.clock())
         if report is not None:
             self.endpoint.reported = report
 
@@ -101,7 +101,7 @@ class Exchange:
             self._usage = usage_in(body)
 
     def on_chunk(self, chunk: bytes) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if self.charge is not None:
             self._events += chunk.count(b"data: ")
             self._usage = usage_in(chunk) or self._usage
@@ -135,7 +135,7 @@ class Exchange:
         self.state.dispatcher.demand.finished(self.model, gap if counted else None,
                                               self.routing.itl_slo_s)
         if counted:
-            now = time.monotonic()
+            now = self.clock()
             self.state.metrics.e2e.observe(now - self.start)
             self.state.metrics.requests.labels(self.model, str(self.status)).inc()
             if self.charge is not None:

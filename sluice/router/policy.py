@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +38,7 @@ from sluice.router.prefix import PrefixIndex, PromptShape
 
 logger = logging.getLogger(__name__)
 
+Clock = Callable[[], float]  # seconds, monotonic: time.monotonic, or a simulator's virtual time
 DEFAULT_LOAD_FACTOR = 1.25
 MIN_OWN_UPDATES = 20  # observations before an endpoint's own model replaces the fleet's
 VIRTUAL_NODES = 64  # ring points per endpoint: keys spread within a few % of even
@@ -54,8 +55,8 @@ class RoutingRequest:
         shape: the prompt's prefix key, block hashes and estimated length.
         ttft_slo_s: the request's TTFT objective, seconds (None: none).
         itl_slo_s: the request's inter-token latency objective, seconds (None: none).
-        deadline: ``time.monotonic()`` by which the first token is due (arrival + TTFT
-            objective); None without a TTFT objective.
+        deadline: the router's clock (seconds) by which the first token is due (arrival +
+            TTFT objective); None without a TTFT objective.
         priority: lower is served first when requests queue.
     """
 
@@ -82,11 +83,14 @@ class PolicyContext:
         load_factor: CHWBL's c = 1 + ε: no endpoint takes more than ⌈c · m / n⌉ of the m
             in-flight requests (counting the new one) over n endpoints.
         fleet: latency models fitted on every endpoint's observations (see ``predict``).
+        clock: the router's clock (seconds); policies read the time only from it, so a
+            simulator can run them on virtual time.
     """
 
     prefix_index: PrefixIndex = field(default_factory=PrefixIndex)
     load_factor: float = DEFAULT_LOAD_FACTOR
     fleet: LatencyModel = field(default_factory=LatencyModel)
+    clock: Clock = time.monotonic
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
@@ -250,20 +254,19 @@ class Prediction:
     features: tuple[float, ...]
 
 
-def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int,
-            now: float | None = None, fleet: LatencyModel | None = None) -> Prediction:
+def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int, now: float,
+            fleet: LatencyModel | None = None) -> Prediction:
     """Predict a request's TTFT and ITL on ``endpoint`` from its current observed load.
 
     Args:
         endpoint: its counters, last load report and latency models are read.
         shape: the request's prompt shape (estimated tokens).
         cached_blocks: leading prompt blocks the prefix index expects cached there.
-        now: ``time.monotonic()`` (for report freshness).
+        now: the router's clock, seconds (for report freshness).
         fleet: a model fitted on every endpoint's observations, used while the endpoint's
             own model has fewer than ``MIN_OWN_UPDATES`` (a new replica starts from what
             its siblings taught, not from the prior).
     """
-    now = time.monotonic() if now is None else now
     cached_tokens = min(cached_blocks * shape.block_tokens, shape.tokens - 1)
     running = endpoint.running(now)
     x = ttft_features(endpoint.queued_prefill_tokens(now), running,
@@ -275,10 +278,8 @@ def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int,
 
 
 def predict_all(candidates: Sequence[Endpoint], request: RoutingRequest, index: PrefixIndex,
-                now: float | None = None, fleet: LatencyModel | None = None
-                ) -> list[Prediction]:
+                now: float, fleet: LatencyModel | None = None) -> list[Prediction]:
     """``predict`` for every candidate (one prefix-index lookup)."""
-    now = time.monotonic() if now is None else now
     matched = index.match(request.shape.blocks) if request.shape.blocks else {}
     return [predict(e, request.shape, matched.get(e.url, 0), now, fleet) for e in candidates]
 
@@ -301,10 +302,11 @@ class LeastLoadPolicy:
     """Fewest in-flight requests; ties by fewest queued prefill tokens, then rotating."""
 
     def __init__(self, context: PolicyContext | None = None) -> None:
+        self.context = context or PolicyContext()
         self._turns = _Turns()
 
     async def choose(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
-        now = time.monotonic()
+        now = self.context.clock()
         loads = [(e.in_flight, e.queued_prefill_tokens(now)) for e in candidates]
         return candidates[least_load(loads, self._turns.next())]
 
@@ -354,7 +356,7 @@ class SLOPolicy:
         self._turns = _Turns()
 
     async def choose(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
-        now = time.monotonic()
+        now = self.context.clock()
         predictions = predict_all(candidates, request, self.context.prefix_index, now,
                                   self.context.fleet)
         index = slo_pick([p.ttft_s for p in predictions], [p.cached_blocks for p in predictions],
