@@ -1,0 +1,112 @@
+"""Request traces: arrival times and token counts, and Mooncake's prefix-block ids.
+
+Formats (see ../shared/traces/README.md):
+
+- Azure LLM inference 2023 CSV: ``TIMESTAMP`` (wall clock, 100 ns digits), ``ContextTokens``
+  (prompt), ``GeneratedTokens`` (output). No prefix information.
+- Mooncake JSONL: ``timestamp`` (ms from the start), ``input_length``, ``output_length``,
+  ``hash_ids`` (one id per 512-token prompt block; equal ids are a shareable prefix).
+
+``scale(trace, k)`` multiplies the load without compressing time: each request is kept and
+``k − 1`` copies arrive within a second after it (uniform jitter, seeded); each copy's block
+ids are its own (in copy ``c``, 0 the original, id ``h`` becomes ``h·k + c``), so copies
+share prefixes among themselves as the original requests do, not with each other.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import random
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass
+class Trace:
+    """Requests sorted by arrival, as parallel lists (one entry per request).
+
+    Attributes:
+        arrival_s: seconds from the trace's first arrival.
+        prompt: prompt tokens (≥ 1).
+        output: output tokens (≥ 1).
+        blocks: prefix-block ids per request (empty tuples without prefix information).
+        block_tokens: tokens per prefix block (512 for Mooncake).
+    """
+
+    arrival_s: list[float]
+    prompt: list[int]
+    output: list[int]
+    blocks: list[tuple[int, ...]]
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    @property
+    def span_s(self) -> float:
+        return self.arrival_s[-1] - self.arrival_s[0] if self.arrival_s else 0.0
+
+    def head(self, n: int) -> Trace:
+        """The first ``n`` requests."""
+        return Trace(self.arrival_s[:n], self.prompt[:n], self.output[:n], self.blocks[:n],
+                     self.block_tokens)
+
+
+def load(path: str | Path, limit: int | None = None) -> Trace:
+    """Read an Azure 2023 CSV or a Mooncake JSONL trace (by extension); ``limit``: the first
+    requests only.
+
+    Raises:
+        ValueError: an unknown extension or a malformed row.
+    """
+    path = Path(path)
+    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
+    if path.suffix == ".csv":
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                ts = row["TIMESTAMP"].strip()[:26]  # %f takes at most 6 fractional digits
+                rows.append((datetime.strptime(ts, "%Y-%m-%d %H:%M:%S.%f").timestamp(),
+                             int(row["ContextTokens"]), int(row["GeneratedTokens"]), ()))
+                if limit is not None and len(rows) >= limit:
+                    break
+    elif path.suffix == ".jsonl":
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    rows.append((r["timestamp"] / 1000.0, int(r["input_length"]),
+                                 int(r["output_length"]), tuple(r.get("hash_ids") or ())))
+                if limit is not None and len(rows) >= limit:
+                    break
+    else:
+        raise ValueError(f"{path}: unknown trace format (want .csv or .jsonl)")
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return Trace([r[0] - t0 for r in rows], [max(1, r[1]) for r in rows],
+                 [max(1, r[2]) for r in rows], [r[3] for r in rows])
+
+
+def scale(trace: Trace, k: int, seed: int = 0) -> Trace:
+    """``k`` times the requests, each copy within 1 s after its original (see the module
+    docstring); k = 1 returns ``trace``."""
+    if k < 1:
+        raise ValueError("scale needs k ≥ 1")
+    if k == 1:
+        return trace
+    rng = random.Random(seed)
+    rows = []
+    for t, p, o, b in zip(trace.arrival_s, trace.prompt, trace.output, trace.blocks):
+        for c in range(k):
+            rows.append((t + (rng.random() if c else 0.0), p, o, tuple(h * k + c for h in b)))
+    rows.sort(key=lambda r: r[0])
+    return Trace([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                 [r[3] for r in rows], trace.block_tokens)
