@@ -1,4 +1,5 @@
-"""The `sluice` command: up | worker | router | models | operator | bench | profile | cascade.
+"""The `sluice` command: up | worker | router | models | operator | bench | profile | simulate |
+cascade.
 
 Each component module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and keeps
 heavy imports (torch) inside ``run``, so ``sluice router --help`` stays fast.
@@ -20,6 +21,8 @@ COMMANDS = {
     "bench": ("sluice.bench.cli", "load an OpenAI endpoint: TTFT/ITL/E2E, goodput, cost"),
     "profile": ("sluice.bench.profile", "one replica's capacity (req/s) at the SLO's tail, "
                 "for spec.autoscaling.capacityRPS"),
+    "simulate": ("sluice.sim.cli", "replay a trace through the real routing and autoscaling "
+                 "policies on a virtual clock, against baselines and an oracle"),
     "cascade": ("sluice.cascade.cli", "record a cascade's tiers on an eval set; calibrate "
                 "its escalation threshold"),
 }

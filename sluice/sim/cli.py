@@ -1,0 +1,173 @@
+"""``sluice simulate``: replay a trace through the real routing and autoscaling decisions on
+a virtual clock, one run per policy, beside the clairvoyant oracle.
+
+    sluice simulate --trace ../shared/traces/azure2023_conv.csv --profile P.json \\
+        --policy sluice --policy kpa:target=8 --sweep --boot-time 30 --output sim.json
+
+Steps: load the trace (× ``--scale-requests``) and the step profile; calibrate one replica
+(capacity at the SLO, rate at full utilisation) unless ``--capacity-rps`` is given; the
+oracle's schedule and replay; then each policy on the same simulated router. Prints a table
+per policy and writes the figures as JSON (``--output``) and plots (``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ALL = ("static", "sluice", "kubeai", "kpa", "keda", "dynamo", "dynamo-reactive")
+# each baseline's main knob, swept (--sweep): static's as fractions of the oracle's peak
+SWEEPS = {"static": (0.5, 0.75, 1.0), "sluice": (0.75, 1.0, 1.5, 2.0),
+          "kubeai": (4, 8, 16, 32), "kpa": (4, 8, 16, 32), "keda": (1, 2, 5, 10),
+          "dynamo": (0.25, 0.5, 0.75, 1.0), "dynamo-reactive": (0.5, 1.0)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="Azure 2023 CSV or Mooncake JSONL")
+    parser.add_argument("--policy", action="append", default=[],
+                        help="NAME[:knob=value,...]; repeatable (default: all of "
+                        f"{', '.join(ALL)}); 'oracle' alone runs only the oracle")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also run each chosen policy over its main knob")
+    parser.add_argument("--profile", help="step profile JSON (sluice profile --steps; "
+                        "default: the one file in sluice/sim/profiles/)")
+    parser.add_argument("--scale-requests", type=int, default=1, metavar="K",
+                        help="each request K times, copies within 1 s (time is not compressed)")
+    parser.add_argument("--limit", type=int, help="only the trace's first N requests")
+    parser.add_argument("--boot-time", type=float, default=30.0, metavar="S",
+                        help="mean seconds from start to ready (default 30)")
+    parser.add_argument("--boot-jitter", type=float, default=0.2,
+                        help="boot time spread: uniform ×[1-j, 1+j] (default 0.2)")
+    parser.add_argument("--max-replicas", type=int, default=1000)
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=200.0,
+                        help="objective on a request's mean inter-token gap (0: none)")
+    parser.add_argument("--attainment", type=float, default=99.0,
+                        help="percent of requests that must meet the SLO (sizing target)")
+    parser.add_argument("--routing", default="slo", help="slo | least-load | round-robin")
+    parser.add_argument("--candidates", type=int, default=4,
+                        help="endpoints sampled per request (power of d; 0: all)")
+    parser.add_argument("--hold-s", type=float, default=120.0,
+                        help="seconds a request waits for a ready replica before refused")
+    parser.add_argument("--capacity-rps", type=float,
+                        help="one replica's rate at the SLO (skip calibration; the "
+                        "full-utilisation rate is then taken as 1.25× it)")
+    parser.add_argument("--oracle-step", type=float, default=10.0,
+                        help="seconds per interval of the oracle's schedule")
+    parser.add_argument("--oracle-passes", type=int, default=5,
+                        help="replays refining the oracle where it missed (default 5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="write the figures as JSON here")
+    parser.add_argument("--plot", help="write PNG plots into this directory")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def plan(specs: list[tuple[str, dict[str, float]]], sweep: bool,
+         peak: int) -> list[tuple[str, str, dict[str, float]]]:
+    """(label, policy, knobs) per run: each spec, and with ``sweep`` its knob's values
+    (static's as fractions of the oracle's ``peak``); the oracle is run apart."""
+    from sluice.sim.policies import KNOBS
+
+    runs = []
+    for name, knobs in specs:
+        if name == "oracle":
+            continue
+        runs.append((name + "".join(f":{k}={v:g}" for k, v in knobs.items()), name, knobs))
+        if sweep:
+            knob = KNOBS[name]
+            values = [max(1, round(f * peak)) for f in SWEEPS[name]] if name == "static" \
+                else SWEEPS[name]
+            runs += [(f"{name}:{knob}={v:g}", name, {**knobs, knob: v}) for v in values
+                     if knobs.get(knob) != v]
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+
+    from sluice.sim import oracle as orc
+    from sluice.sim import policies, profile, report
+    from sluice.sim import trace as traces
+    from sluice.sim.replica import EngineLimits
+    from sluice.sim.simulator import SimConfig, Simulator
+
+    err = Console(stderr=True)
+    try:
+        specs = [policies.parse(s) for s in args.policy or ALL]
+        path = args.profile or profile.default_path()
+        if path is None:
+            raise ValueError("no step profile: pass --profile (sluice profile --steps writes one)")
+        model = profile.load(path)
+        trace = traces.scale(traces.load(args.trace, args.limit), args.scale_requests, args.seed)
+        config = SimConfig(boot_s=args.boot_time, boot_jitter=args.boot_jitter,
+                           max_replicas=args.max_replicas, ttft_slo_s=args.slo_ttft_ms / 1000,
+                           itl_slo_s=args.slo_itl_ms / 1000 if args.slo_itl_ms else None,
+                           hold_s=args.hold_s, routing=args.routing,
+                           candidates=args.candidates, limits=EngineLimits(), seed=args.seed)
+        if not 0 < args.attainment <= 100 or args.scale_requests < 1:
+            raise ValueError("--attainment must be in (0, 100], --scale-requests ≥ 1")
+    except (ValueError, OSError) as exc:
+        print(f"sluice simulate: {exc}", file=sys.stderr)
+        return 2
+    target = args.attainment / 100
+    err.print(f"{len(trace):,} requests over {trace.span_s:,.0f} s; profile {model.model} "
+              f"({path})")
+    if args.capacity_rps:
+        capacity, max_rps = args.capacity_rps, 1.25 * args.capacity_rps
+    else:
+        capacity, max_rps = orc.calibrate(trace, model, config, target)
+    err.print(f"one replica: {capacity:.3f} req/s at the SLO, {max_rps:.3f} req/s saturated")
+    rows, results = [], {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[now]}"), TimeElapsedColumn(), console=err,
+                  disable=args.no_progress) as bar:
+        def tracker(label: str):
+            task = bar.add_task(label, total=len(trace), now="")
+            return lambda done, now: bar.update(task, completed=done, now=f"t={now:,.0f} s")
+
+        started = time.perf_counter()
+        result, counts = orc.oracle(trace, model, config, capacity, target,
+                                    args.oracle_step, passes=args.oracle_passes,
+                                    progress=tracker("oracle"))
+        oracle_hours = report.replica_hours(result)
+        rows.append(report.summarize("oracle", result, config, time.perf_counter() - started,
+                                     oracle_hours))
+        results["oracle"] = result
+        ctx = policies.Context(capacity, max_rps, args.boot_time, args.max_replicas,
+                               peak=max(counts), attainment_target=target)
+        for label, name, knobs in plan(specs, args.sweep, ctx.peak):
+            policy = policies.make(name, knobs, ctx)
+            initial = policy.replicas if isinstance(policy, policies.Static) else counts[0]
+            started = time.perf_counter()
+            result = Simulator(trace, model, config, policy, initial,
+                               progress=tracker(label)).run()
+            rows.append(report.summarize(label, result, config, time.perf_counter() - started,
+                                         oracle_hours))
+            results[label] = result
+    Console(width=max(140, Console().width)).print(report.table(rows, f"{Path(args.trace).name} × {args.scale_requests}, "
+                                 f"boot {args.boot_time:g} s, SLO TTFT {args.slo_ttft_ms:g} ms"
+                                 f" ITL {args.slo_itl_ms:g} ms"))
+    if args.output:
+        out = {"trace": str(args.trace), "requests": len(trace), "span_s": trace.span_s,
+               "scale_requests": args.scale_requests, "boot_s": args.boot_time,
+               "boot_jitter": args.boot_jitter, "max_replicas": args.max_replicas,
+               "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms,
+                       "attainment_pct": args.attainment},
+               "routing": {"policy": args.routing, "candidates": args.candidates},
+               "profile": {"path": str(path), "model": model.model},
+               "capacity_rps": capacity, "max_rps": max_rps, "oracle_schedule": counts,
+               "oracle_step_s": args.oracle_step, "policies": rows,
+               "timelines": {k: [list(s) for s in r.timeline] for k, r in results.items()}}
+        Path(args.output).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        for p in report.plot(rows, results, config, Path(args.plot)):
+            err.print(f"wrote {p}")
+    return 0
