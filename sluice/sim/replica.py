@@ -74,11 +74,15 @@ class Replica:
         block_tokens: tokens per prefix block id of the trace.
 
     Attributes:
+        max_macro_steps: the most steps one macro step may merge (1: step by step, the
+            reference the tests compare macro steps with).
         waiting / running: sequences, in queue / admission order.
         kv_used: tokens held in the KV pool by running sequences.
         busy_until: virtual time (s) the current macro step ends; None when idle.
         version: bumped whenever the pending step-end event is replaced (lazy deletion).
     """
+
+    max_macro_steps = 1 << 40
 
     def __init__(self, index: int, model: StepModel, limits: EngineLimits,
                  block_tokens: int = 512):
@@ -110,13 +114,17 @@ class Replica:
     def num_seqs(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def queued_prefill_tokens(self) -> int:
-        """Prompt tokens of sequences without a first token yet (``x-sluice-queued-…``)."""
-        return sum(s.ctx - s.computed for s in self.running if not s.started) + \
-            sum(s.ctx - s.computed for s in self.waiting if not s.started)
-
-    def kv_usage(self) -> float:
-        return min(1.0, self.kv_used / self.capacity)
+    def load(self, now: float) -> tuple[int, int, float, int]:
+        """What the worker reports at ``now`` (its /metrics and x-sluice-* headers): running,
+        waiting, KV usage (0..1) and prompt tokens without a first token yet, as of the
+        last step boundary (steps of the macro step in flight included)."""
+        j = self._steps_done(now) if self.busy_until is not None else 0
+        queued = sum(s.ctx - s.computed for s in self.waiting if not s.started)
+        queued += sum(s.ctx - s.computed for s in self.running if not s.started)
+        if j:
+            queued -= sum(j * n for s, n, decode in self._batch if not decode and not s.started)
+        kv = self.kv_used + j * self._need
+        return len(self.running), len(self.waiting), min(1.0, kv / self.capacity), queued
 
     # ------------------------------------------------------------------ events
 
@@ -216,7 +224,9 @@ class Replica:
             else:
                 prefill += n
                 k = min(k, (seq.ctx - seq.computed) // n)
-        k = max(1, min(k, (self.capacity - self.kv_used) // need))
+        if preempted:  # admission resumes at the next step
+            k = 1
+        k = max(1, min(k, self.max_macro_steps, (self.capacity - self.kv_used) // need))
         m = self.model
         self._t0, self._k, self._batch, self._need = now, k, batch, need
         self._base_ms = (m.c0_ms + m.prefill_token_ms * prefill + m.prefill_token2_ms * prefill
@@ -235,6 +245,16 @@ class Replica:
         step boundaries); the new end time, or None when unchanged."""
         if self._k <= 1:
             return None
+        k = self._steps_done(now) + 1
+        if k >= self._k:
+            return None
+        self._k = k
+        self.version += 1
+        self.busy_until = self._t0 + self._duration_ms(k) / 1000.0
+        return self.busy_until
+
+    def _steps_done(self, now: float) -> int:
+        """Steps of the macro step in flight that have ended by ``now`` (0 … k)."""
         elapsed_ms = (now - self._t0) * 1000.0
         lo, hi = 0, self._k  # the largest j with duration(j) ≤ elapsed
         while lo < hi:
@@ -243,13 +263,7 @@ class Replica:
                 lo = mid
             else:
                 hi = mid - 1
-        k = lo + 1
-        if k >= self._k:
-            return None
-        self._k = k
-        self.version += 1
-        self.busy_until = self._t0 + self._duration_ms(k) / 1000.0
-        return self.busy_until
+        return lo
 
     def _preempt(self) -> None:
         """Free the most recently admitted sequence; it is recomputed from the queue's front."""

@@ -136,5 +136,4 @@ class SimRouter:
 
     def report(self, endpoint: Endpoint, replica: Replica, now: float) -> None:
         """``replica``'s load as its worker reports it (headers or a /metrics poll)."""
-        endpoint.reported = WorkerLoad(len(replica.running), len(replica.waiting),
-                                       replica.kv_usage(), replica.queued_prefill_tokens(), now)
+        endpoint.reported = WorkerLoad(*replica.load(now), now)

@@ -287,7 +287,7 @@ class Simulator:
                     itl_total=counts["itl_total"] - last["itl_total"],
                     held=len(self.held), in_flight=self.in_flight,
                     waiting=sum(len(replicas[k].waiting) for k in ready),
-                    kv_usage=sum(replicas[k].kv_usage() for k in ready) / len(ready)
+                    kv_usage=sum(replicas[k].load(now)[2] for k in ready) / len(ready)
                     if ready else 0.0,
                     ready=len(ready), starting=len(self.booting))
         self._last_counts, self._last_tick = dict(counts), now

@@ -1,0 +1,204 @@
+"""The simulator (sluice/sim): the replica model, the event loop, the oracle and the CLI.
+
+Pure Python and fast: no servers, no models. The step profile here is SYNTHETIC (made-up
+numbers of a plausible shape, not a measurement); real profiles come from
+``sluice profile --steps`` into sluice/sim/profiles/.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from sluice.cli import main
+from sluice.sim import profile, report
+from sluice.sim import trace as traces
+from sluice.sim.oracle import Schedule, attainment, oracle
+from sluice.sim.policies import Context, Tick, make, parse
+from sluice.sim.replica import EngineLimits, Replica
+from sluice.sim.simulator import SimConfig, Simulator
+
+TRACES = "/work/shared/traces"
+# SYNTHETIC test profile (not measured): 10 ms a step, 0.1 ms a prompt token, 0.5 ms a
+# decoding sequence, 0.02 µs a token of context, a 64k-token KV pool
+SYNTHETIC = {"model": "synthetic-test-profile", "threads": 2,
+             "points": [{"prefill_tokens": 128, "decode_seqs": 0, "kv_tokens": 128,
+                         "step_ms": 22.8}],
+             "fit": {"c0_ms": 10.0, "prefill_token_ms": 0.1, "decode_seq_ms": 0.5,
+                     "kv_token_ms": 2e-5},
+             "kv_capacity_tokens": 65536, "block_size": 16}
+MODEL = profile.StepModel.from_dict(SYNTHETIC)
+
+
+def one_trace(times, prompt=1000, output=50, blocks=()):
+    n = len(times)
+    return traces.Trace(list(times), [prompt] * n, [output] * n, [blocks] * n)
+
+
+def fixed(n):
+    return Schedule([n], 3600.0)
+
+
+def run(trace, policy=None, initial=1, model=MODEL, **config):
+    cfg = SimConfig(**{"boot_s": 0.0, "routing": "least-load", **config})
+    return Simulator(trace, model, cfg, policy or fixed(initial), initial).run()
+
+
+def test_profile_loads_the_shared_format(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(SYNTHETIC))
+    model = profile.load(path)
+    assert model == MODEL
+    assert model.step_ms(128, 0, 128) == pytest.approx(10 + 12.8 + 128 * 2e-5)
+    assert model.error(SYNTHETIC["points"]) == pytest.approx(abs(22.80256 - 22.8) / 22.8)
+    path.write_text(json.dumps({"model": "x", "fit": {"c0_ms": 1}}))
+    with pytest.raises(ValueError, match="not a step profile"):
+        profile.load(path)
+
+
+def test_one_request_alone_gets_the_profiles_prefill_time():
+    """1,000 prompt tokens: seven 128-token chunks and one of 104 (the engine's
+    long_prefill_token_threshold), each step priced by the profile over the KV it holds;
+    then 49 one-sequence decode steps."""
+    result = run(one_trace([0.0], prompt=1000, output=50))
+    expected_ttft_ms, kv = 0.0, 0
+    for chunk in [128] * 7 + [104]:
+        kv += chunk
+        expected_ttft_ms += MODEL.step_ms(chunk, 0, kv)
+    assert result.first_s[0] * 1000 == pytest.approx(expected_ttft_ms, rel=1e-12)
+    decode_ms = sum(MODEL.step_ms(0, 1, 1000 + i) for i in range(1, 50))
+    assert (result.done_s[0] - result.first_s[0]) * 1000 == pytest.approx(decode_ms, rel=1e-12)
+    assert result.first_s[0] == pytest.approx(0.18009, abs=1e-5)  # 8 × 10 ms + 100 ms + KV
+
+
+def test_macro_steps_equal_stepping_one_at_a_time(monkeypatch):
+    """Merging steps while the batch keeps its shape (and cutting at arrivals) gives the
+    times that stepping one step at a time gives, preemptions included."""
+    rng = random.Random(1)
+    times = sorted(rng.uniform(0, 20) for _ in range(120))
+    trace = traces.Trace(times, [rng.randint(1, 3000) for _ in times],
+                         [rng.randint(1, 300) for _ in times], [()] * len(times))
+    small = profile.StepModel("small-kv", 10.0, 0.1, 0.5, 2e-5, kv_capacity_tokens=20_000)
+    merged = run(trace, initial=2, model=small)
+    monkeypatch.setattr(Replica, "max_macro_steps", 1)
+    stepped = run(trace, initial=2, model=small)
+    assert merged.preemptions == stepped.preemptions > 0
+    assert list(merged.first_s) == pytest.approx(list(stepped.first_s), rel=1e-9)
+    assert list(merged.done_s) == pytest.approx(list(stepped.done_s), rel=1e-9)
+    assert merged.events < stepped.events / 2  # fewer still without preemptions
+
+
+def test_kv_pool_is_empty_at_idle_and_preemption_recomputes():
+    small = profile.StepModel("small-kv", 10.0, 0.1, 0.5, 2e-5, kv_capacity_tokens=4096)
+    cfg = SimConfig(boot_s=0.0, routing="least-load")
+    sim = Simulator(one_trace([0.0] * 8, prompt=1000, output=400), small, cfg, fixed(1), 1)
+    result = sim.run()
+    replica = sim.replicas[0]
+    assert result.preemptions > 0
+    assert all(d == d for d in result.done_s)  # every request finished
+    assert replica.kv_used == 0 and not replica.running and not replica.waiting
+
+
+def test_prefix_blocks_resident_on_the_replica_are_not_prefilled_again():
+    blocks = (1, 2, 3)  # three 512-token blocks: 1,200 tokens hit of a 1,300-token prompt
+    trace = one_trace([0.0, 5.0], prompt=1300, output=2, blocks=blocks)
+    cfg = SimConfig(boot_s=0.0, routing="least-load")
+    sim = Simulator(trace, MODEL, cfg, fixed(1), 1)
+    result = sim.run()
+    assert sim.replicas[0].prefix_hit_tokens == 1299  # all but the last token, capped at 1,299
+    assert result.first_s[1] - 5.0 == pytest.approx(MODEL.step_ms(1, 0, 1300) / 1000)
+    assert result.first_s[0] > 0.1
+
+
+def test_littles_law_on_a_steady_trace():
+    """Mean requests in the system (sampled every 0.5 s) = arrival rate × mean E2E."""
+    rng = random.Random(7)
+    t, times = 0.0, []
+    while t < 1500:
+        times.append(t)
+        t += rng.expovariate(3.0)
+    result = run(one_trace(times, prompt=400, output=60), initial=2, sample_s=0.5)
+    span = times[-1]
+    e2e = [d - a for a, d in zip(result.arrival_s, result.done_s)]
+    samples = [s[3] for s in result.timeline if 100 <= s[0] <= span - 100]
+    mean_in_system = sum(samples) / len(samples)
+    rate = len(times) / span
+    assert mean_in_system == pytest.approx(rate * sum(e2e) / len(e2e), rel=0.04)
+    assert 1.0 < mean_in_system < 4.0  # loaded, not trivial
+
+
+def test_a_policy_that_never_scales_gives_the_static_result():
+    class Keep:
+        interval_s = 2.0
+
+        def decide(self, tick: Tick) -> int:
+            return tick.current
+
+    trace = traces.load(f"{TRACES}/azure2023_conv.csv", limit=300)
+    static = run(trace, fixed(3), initial=3)
+    kept = run(trace, Keep(), initial=3)
+    assert list(kept.first_s) == list(static.first_s)
+    assert list(kept.done_s) == list(static.done_s)
+    assert report.replica_hours(kept) == report.replica_hours(static) == \
+        pytest.approx(3 * static.end_s / 3600)
+    assert kept.scale_events == static.scale_events == 0
+
+
+def test_the_oracle_meets_its_target_on_a_small_trace():
+    trace = traces.load(f"{TRACES}/azure2023_code.csv", limit=400)
+    cfg = SimConfig(boot_s=30.0, routing="slo", max_replicas=100)
+    result, counts = oracle(trace, MODEL, cfg, capacity_rps=1.5, target=0.99)
+    assert attainment(result, cfg) >= 0.99
+    assert len(counts) == int(trace.arrival_s[-1] // 10) + 2 and max(counts) >= 2
+    assert report.replica_hours(result) < max(counts) * result.end_s / 3600  # it scales
+
+
+def test_scale_requests_copies_within_a_second_with_their_own_blocks(tmp_path):
+    base = traces.Trace([0.0, 10.0], [5, 6], [1, 2], [(1, 2), (1, 3)])
+    scaled = traces.scale(base, 3, seed=0)
+    assert len(scaled) == 6 and scaled.arrival_s == sorted(scaled.arrival_s)
+    assert scaled.arrival_s[0] == 0.0 and all(0 <= t < 1 for t in scaled.arrival_s[:3])
+    assert all(10 <= t < 11 for t in scaled.arrival_s[3:])
+    assert sorted(scaled.blocks[:3]) == [(3, 6), (4, 7), (5, 8)]  # h·3 + copy
+    mooncake = traces.load(f"{TRACES}/mooncake_conversation_trace.jsonl", limit=50)
+    assert all(len(b) == math.ceil(p / 512) for p, b in zip(mooncake.prompt, mooncake.blocks))
+
+
+def test_policies_parse_knobs_and_reject_unknown_ones():
+    ctx = Context(capacity_rps=1.0, max_rps=2.0, boot_s=30, max_replicas=10, peak=4)
+    assert parse("kpa:target=10,util=0.5") == ("kpa", {"target": 10.0, "util": 0.5})
+    assert make("static", {}, ctx).decide(Tick(now=0, window_s=1)) == 4
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse("hpa")
+    with pytest.raises(ValueError, match="kpa"):
+        make("kpa", {"nope": 1}, ctx)
+    keda = make("keda", {}, ctx)  # ceil(Σ waiting / 5), scale-up at most doubles (+4)
+    assert keda.decide(Tick(now=15, window_s=15, waiting=23, ready=2)) == 5
+    assert keda.decide(Tick(now=30, window_s=15, waiting=0, ready=5)) == 5  # 300 s window
+
+
+def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
+    prof = tmp_path / "synthetic.json"
+    prof.write_text(json.dumps(SYNTHETIC))
+    out = tmp_path / "sim.json"
+    code = main(["simulate", "--trace", f"{TRACES}/azure2023_conv.csv", "--limit", "200",
+                 "--profile", str(prof), "--policy", "sluice", "--policy", "static:replicas=2",
+                 "--boot-time", "10", "--output", str(out), "--no-progress"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"trace", "requests", "span_s", "scale_requests", "boot_s",
+                         "boot_jitter", "max_replicas", "slo", "routing", "profile",
+                         "capacity_rps", "max_rps", "oracle_schedule", "oracle_step_s",
+                         "policies", "timelines"}
+    assert data["requests"] == 200 and data["slo"]["ttft_ms"] == 2000.0
+    rows = {r["policy"]: r for r in data["policies"]}
+    assert list(rows) == ["oracle", "sluice", "static:replicas=2"]
+    assert all(list(r) == list(report.SUMMARY_KEYS) for r in rows.values())
+    assert rows["oracle"]["slo_attainment_pct"] >= 99.0 and rows["oracle"]["oracle_ratio"] == 1
+    assert rows["static:replicas=2"]["replica_hours"] == pytest.approx(
+        2 * data["timelines"]["static:replicas=2"][-1][0] / 3600, rel=0.05)
+    assert 0 < data["capacity_rps"] <= data["max_rps"]
+    assert "sluice" in capsys.readouterr().out
