@@ -8,8 +8,8 @@ routing decisions, d sampled candidates), the trace replayed once. The issue's t
     .venv/bin/python bench/simulate.py --scale 1:100 --scale 5:200 \\
         --output bench/results/sim_speed.json
 
-Without --profile (or a committed one in sluice/sim/profiles/) it uses a SYNTHETIC step
-profile, labelled so in the output: speed depends on the load's shape, not on its source.
+Without --profile it uses the SYNTHETIC step profile bench/results/sim_synthetic_profile.json
+(labelled so in its model name): speed depends on the load's shape, not on its source.
 """
 
 from __future__ import annotations
@@ -22,12 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-# SYNTHETIC (not measured): a GPU-like replica, 10 ms a step + 0.1 ms a prompt token + 0.5 ms
-# a decoding sequence, a 64k-token KV pool
-SYNTHETIC = {"model": "synthetic-bench-profile", "threads": 0, "points": [],
-             "fit": {"c0_ms": 10.0, "prefill_token_ms": 0.1, "decode_seq_ms": 0.5,
-                     "kv_token_ms": 2e-5},
-             "kv_capacity_tokens": 65536, "block_size": 16}
+SYNTHETIC = Path(__file__).parent / "results" / "sim_synthetic_profile.json"
 
 
 def one(args: argparse.Namespace) -> dict:
@@ -35,8 +30,7 @@ def one(args: argparse.Namespace) -> dict:
     from sluice.sim.oracle import Schedule
     from sluice.sim.simulator import SimConfig, Simulator
 
-    model = profile.load(args.profile) if args.profile else \
-        profile.StepModel.from_dict(SYNTHETIC)
+    model = profile.load(args.profile)
     k, n = (int(v) for v in args.one.split(":"))
     started = time.perf_counter()
     requests = trace.scale(trace.load(args.trace), k)
@@ -61,7 +55,8 @@ def main() -> int:
                         help="trace × K requests on N replicas (repeatable; default 1:100)")
     parser.add_argument("--routing", default="slo")
     parser.add_argument("--candidates", type=int, default=4)
-    parser.add_argument("--profile", help="step profile JSON (default: synthetic)")
+    parser.add_argument("--profile", default=str(SYNTHETIC),
+                        help="step profile JSON (default: the synthetic one)")
     parser.add_argument("--output", help="write the rows as JSON here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -71,9 +66,7 @@ def main() -> int:
     rows = []
     for scale in args.scale or ["1:100"]:
         cmd = [sys.executable, __file__, "--one", scale, "--trace", args.trace, "--routing",
-               args.routing, "--candidates", str(args.candidates)]
-        if args.profile:
-            cmd += ["--profile", args.profile]
+               args.routing, "--candidates", str(args.candidates), "--profile", args.profile]
         rows.append(json.loads(subprocess.run(cmd, check=True, capture_output=True,
                                               text=True).stdout))
         r = rows[-1]
@@ -82,8 +75,8 @@ def main() -> int:
               f"{r['sim_requests_per_s']:>6,} req/s, {r['events_per_s']:>7,} events/s, "
               f"peak RSS {r['peak_rss_mib']} MiB", flush=True)
     if args.output:
-        Path(args.output).write_text(json.dumps({"profile_note": "synthetic unless --profile",
-                                                 "rows": rows}, indent=1))
+        Path(args.output).write_text(json.dumps({"profile": args.profile, "rows": rows},
+                                                indent=1))
     return 0
 
 

@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replays refining the oracle where it missed (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write the figures as JSON here")
-    parser.add_argument("--plot", help="write PNG plots into this directory")
+    parser.add_argument("--plot", help="write PNG plots into this directory "
+                        "(sim_<trace>_x<K>_boot<S>_attainment.png, …_timeline.png)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -120,10 +121,12 @@ def run(args: argparse.Namespace) -> int:
     target = args.attainment / 100
     err.print(f"{len(trace):,} requests over {trace.span_s:,.0f} s; profile {model.model} "
               f"({path})")
-    if args.capacity_rps:
-        capacity, max_rps = args.capacity_rps, 1.25 * args.capacity_rps
-    else:
-        capacity, max_rps = orc.calibrate(trace, model, config, target)
+    try:
+        capacity, max_rps = (args.capacity_rps, 1.25 * args.capacity_rps) if args.capacity_rps \
+            else orc.calibrate(trace, model, config, target)
+    except ValueError as exc:
+        print(f"sluice simulate: {exc}", file=sys.stderr)
+        return 2
     err.print(f"one replica: {capacity:.3f} req/s at the SLO, {max_rps:.3f} req/s saturated")
     rows, results = [], {}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -168,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                "timelines": {k: [list(s) for s in r.timeline] for k, r in results.items()}}
         Path(args.output).write_text(json.dumps(out, indent=1))
     if args.plot:
-        for p in report.plot(rows, results, config, Path(args.plot)):
+        stem = f"{Path(args.trace).stem}_x{args.scale_requests}_boot{args.boot_time:g}"
+        for p in report.plot(rows, results, config, Path(args.plot), stem):
             err.print(f"wrote {p}")
     return 0

@@ -66,7 +66,11 @@ def _one_replica(trace: Trace, model: StepModel, config: SimConfig) -> Result:
 
 def calibrate(trace: Trace, model: StepModel, config: SimConfig, target: float,
               requests: int = 400, iterations: int = 8) -> tuple[float, float]:
-    """(capacity_rps at the SLO, max_rps at full utilisation) of one replica, req/s."""
+    """(capacity_rps at the SLO, max_rps at full utilisation) of one replica, req/s.
+
+    Raises:
+        ValueError: the SLO is missed even at the lowest rate tried (max_rps / 2^iterations).
+    """
     rng = random.Random(config.seed)
     picks = [rng.randrange(len(trace)) for _ in range(requests)]
     prompt = [trace.prompt[i] for i in picks]
@@ -88,7 +92,11 @@ def calibrate(trace: Trace, model: StepModel, config: SimConfig, target: float,
     for _ in range(iterations):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if meets(mid) else (lo, mid)
-    capacity = max(lo, max_rps / 2 ** iterations)
+    if lo == 0.0:
+        raise ValueError(f"one replica misses the SLO for more than {100 * (1 - target):g}% of "
+                         f"requests even at {hi:.3g} req/s: loosen --slo-ttft-ms/--slo-itl-ms "
+                         "or --attainment, or profile a faster replica")
+    capacity = lo
     logger.info("one replica: %.3f req/s at the SLO (%.0f%%), %.3f req/s saturated",
                 capacity, 100 * target, max_rps)
     return capacity, max_rps

@@ -102,8 +102,10 @@ def ttft_over_time(result: Result, bin_s: float = 30.0) -> list[tuple[float, flo
 
 
 def plot(rows: list[dict[str, Any]], results: dict[str, Result], config: SimConfig,
-         directory: Path) -> list[Path]:
-    """attainment_vs_cost.png and timeline.png under ``directory``; [] without matplotlib."""
+         directory: Path, stem: str) -> list[Path]:
+    """Under ``directory``: ``sim_<stem>_attainment.png`` (every run: attainment against
+    replica-hours, a curve per policy over its knob) and ``sim_<stem>_timeline.png``
+    (replicas and p90 TTFT over time of each policy's default run); [] without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -126,11 +128,13 @@ def plot(rows: list[dict[str, Any]], results: dict[str, Result], config: SimConf
                   + "), %")
     ax.legend()
     ax.grid(alpha=0.3)
-    paths = [directory / "attainment_vs_cost.png"]
+    paths = [directory / f"sim_{stem}_attainment.png"]
     fig.savefig(paths[0], dpi=120, bbox_inches="tight")
     plt.close(fig)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     for name, result in results.items():
+        if ":" in name:
+            continue  # a swept variant
         top.step([s[0] for s in result.timeline], [s[1] for s in result.timeline], where="post",
                  label=name)
         points = ttft_over_time(result)
@@ -141,7 +145,7 @@ def plot(rows: list[dict[str, Any]], results: dict[str, Result], config: SimConf
     bottom.set_yscale("log")
     bottom.set_xlabel("trace time, s")
     top.legend(fontsize=7)
-    paths.append(directory / "timeline.png")
+    paths.append(directory / f"sim_{stem}_timeline.png")
     fig.savefig(paths[1], dpi=120, bbox_inches="tight")
     plt.close(fig)
     return paths
