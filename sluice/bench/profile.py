@@ -16,6 +16,10 @@ the ITL objective. A failed request misses both objectives.
 
 Exit status: 0 measured (the capacity may be 0: the last line says so); 2 bad arguments or
 no usable server (nothing measured); 130 interrupted (Ctrl-C).
+
+``sluice profile --steps --model NAME`` measures something else, in-process, with no server:
+the native engine's step time over a grid of batch shapes, and the simulator's step-time
+model fitted to it (``sluice.bench.steps``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from sluice.bench import report, schedule, workload
+from sluice.bench import report, schedule, steps as step_profile, workload
 from sluice.bench.client import RequestRecord
 from sluice.bench.runner import LoadConfig, run as run_load
 
@@ -45,14 +49,16 @@ DEFAULT_RATES = "0.25,0.5,1,1.5,2,3,4,6,8"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", required=True, help="worker or router base URL, e.g. "
-                        "http://127.0.0.1:8001 (one replica behind it)")
-    parser.add_argument("--model", required=True, help="model name sent in each request")
+    parser.add_argument("--url", help="worker or router base URL, e.g. "
+                        "http://127.0.0.1:8001 (one replica behind it); required without --steps")
+    parser.add_argument("--model", required=True, help="model name sent in each request "
+                        "(with --steps: a store name or converted model folder)")
     parser.add_argument("--tokenizer", help="tokenizer.json, a model folder or a model-store "
                         "name (default: --model in the model store)")
-    parser.add_argument("--slo-ttft-ms", type=float, required=True, help="TTFT objective (ms)")
-    parser.add_argument("--slo-itl-ms", type=float, required=True,
-                        help="ITL objective (ms): a request's mean inter-token gap")
+    parser.add_argument("--slo-ttft-ms", type=float,
+                        help="TTFT objective (ms); required without --steps")
+    parser.add_argument("--slo-itl-ms", type=float, help="ITL objective (ms): a request's "
+                        "mean inter-token gap; required without --steps")
     parser.add_argument("--percentile", type=float, default=95.0,
                         help="the objectives hold at this percentile of requests (default 95)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
@@ -70,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds per request; a request past it fails (default 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
     parser.add_argument("--output", help="write the profile as JSON")
+    step_profile.add_arguments(parser)
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,8 @@ def parse_rates(text: str) -> list[float]:
 
 def _check(args: argparse.Namespace) -> list[float]:
     """The rates; raises ValueError naming the first bad argument."""
+    if None in (args.url, args.slo_ttft_ms, args.slo_itl_ms):
+        raise ValueError("--url, --slo-ttft-ms and --slo-itl-ms are required (or --steps)")
     rates = parse_rates(args.rates)
     for name in ("slo_ttft_ms", "slo_itl_ms", "duration", "request_timeout"):
         value = getattr(args, name)
@@ -214,6 +223,8 @@ def step_specs(builder: workload.PromptBuilder, rate_rps: float, args: argparse.
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.steps:
+        return step_profile.run(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         rates = _check(args)
