@@ -41,7 +41,7 @@ def test_edf_within_priority_and_priority_first():
             ("late", 0, 30.0), ("early", 0, 10.0), ("urgent-class", -1, 99.0), ("mid", 0, 20.0))]
         await settle()
         assert q.waiting("m") == 4
-        while q.kick("m", lambda r: True):
+        while q.kick("m", lambda r: True) is not None:
             await settle()
         await asyncio.gather(*tasks)
         assert order == ["urgent-class", "early", "mid", "late"]
@@ -135,14 +135,14 @@ def test_kick_releases_one_at_a_time_and_only_through_the_gate():
         tasks = [asyncio.create_task(q.admit("m", i, 0, float(i), lambda r: False))
                  for i in range(3)]
         await settle()
-        assert q.kick("m", lambda r: r == 99) is False  # the gate refuses the head
-        assert q.kick("m", lambda r: True) is True
+        assert q.kick("m", lambda r: r == 99) is None  # the gate refuses the head
+        assert q.kick("m", lambda r: True) == 0  # the released request
         await settle()
         assert [t.done() for t in tasks] == [True, False, False]
         q.kick_all(lambda model: (lambda r: True))
         q.kick_all(lambda model: (lambda r: True))
         await asyncio.gather(*tasks)
-        assert q.kick("m", lambda r: True) is False and q.kick("nope", lambda r: True) is False
+        assert q.kick("m", lambda r: True) is None and q.kick("nope", lambda r: True) is None
     run(scenario())
 
 

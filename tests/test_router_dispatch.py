@@ -191,7 +191,7 @@ def test_state_stays_bounded_over_many_requests():
         lease = Lease(endpoint, prediction.features[3] * 1000)
         d.dispatched(endpoint, r)
         if released:
-            d.settled(MODEL)
+            d.settled(r)
         await asyncio.sleep(0)
         lease.first_token()
         d.first_token(endpoint, prediction, 0.05 + rng.random() * 0.05, MODEL)
@@ -244,3 +244,33 @@ def test_decisions_read_only_the_injected_clock():
     _, stale = run(d.choose([w1], r))
     assert stale.ttft_s < 1
 
+
+
+def test_a_release_is_settled_by_its_own_request_only():
+    """Two queued requests of one model: the first one settling (even twice) never clears
+    the hold the second one's release put on the gate."""
+    endpoints, d = fleet(2, slo_ttft_ms=1000.0)
+    w0, w1 = endpoints
+    busy = [Lease(e, prefill_tokens=50_000) for e in endpoints]
+
+    async def scenario():
+        a, b = (d.routing_request(BODY, {}, arrival=time.monotonic()) for _ in range(2))
+        waits = [asyncio.create_task(d.admit(r)) for r in (a, b)]
+        await asyncio.sleep(0)
+        busy[0].first_token()
+        d.kick(MODEL)  # w0 is free: a goes
+        assert await waits[0]
+        Lease(w0, prefill_tokens=50_000)  # a is leased there...
+        d.settled(a)  # ...and settles: b stays (both replicas busy again)
+        assert d.admission.waiting(MODEL) == 1
+        busy[1].first_token()
+        d.kick(MODEL)  # w1 is free: b goes, and holds the gate until it is leased
+        assert await waits[1]
+        c = d.routing_request(BODY, {}, arrival=time.monotonic())
+        assert not d.gate(c)
+        d.settled(a)  # a settling again (its give-up path) is not b's settling
+        assert not d.gate(c)
+        d.settled(b)
+        assert d.gate(c)  # w1 has no prefill in flight
+
+    run(scenario())

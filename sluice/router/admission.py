@@ -162,24 +162,24 @@ class AdmissionQueue(Generic[R]):
             self._drop_if_empty(model)
         return self.clock() - start
 
-    def kick(self, model: str, gate: Callable[[R], bool]) -> bool:
+    def kick(self, model: str, gate: Callable[[R], bool]) -> R | None:
         """Release the head of ``model``'s queue if ``gate`` lets it through.
 
         Releases at most one request: the released request's dispatch changes the load the
         gate reads, so the caller kicks again after it (and on every capacity event).
 
         Returns:
-            True when a request was released.
+            the released request, or None.
         """
         queue = self._queues.get(model)
         if queue is None:
-            return False
+            return None
         head = queue.head()
         if head is None or not gate(head.request):
-            return False
+            return None
         heapq.heappop(queue.heap)
         head.future.set_result(None)
-        return True
+        return head.request
 
     def kick_all(self, gate: Callable[[str], Callable[[R], bool]]) -> None:
         """``kick`` every model's queue (a periodic tick, a worker turning ready)."""

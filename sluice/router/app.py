@@ -218,43 +218,44 @@ async def _to_model(request: Request, state: RouterState, body: dict[str, Any], 
         return _count(state, model, response, charge=charge)
     except ClientDisconnected:
         return _count(state, model, Response(status_code=CLIENT_CLOSED), charge=charge)
-    try:
-        return await _dispatch(request, state, routing, raw, path, start, released, charge)
-    finally:
-        if released:  # (normally settled at its lease already; this covers giving up)
-            state.dispatcher.settled(model)
+    return await _dispatch(request, state, routing, raw, path, start, released, charge)
 
 
 async def _dispatch(request: Request, state: RouterState, routing: RoutingRequest, raw: bytes,
                     path: str, start: float, released: bool, charge: Charge | None) -> Response:
     """Send to the policy's pick; on a worker that took nothing, the next candidate.
-    ``released``: the request came out of the admission queue (settle it once leased)."""
+    ``released``: the request came out of the admission queue: it is settled exactly once,
+    at its first lease, or on the way out when it never got one."""
     model = routing.model
     headers = forward_headers(request, state.keys)
     tried: set[str] = set()
     refused_by_all, retried = True, False
-    while candidates := [e for e in state.endpoints.ready_for(model) if e.url not in tried]:
-        endpoint, prediction = await state.dispatcher.choose(candidates, routing)
-        exchange = Exchange(state, routing, endpoint, start, prediction, charge)
-        if released:  # its load is visible now: the queue may release the next one
-            state.dispatcher.settled(model)
-            released = False
-        try:
-            return await forward(request, state, endpoint, path, raw, headers, exchange)
-        except TryElsewhere as exc:
-            if exc.kind is not None:
-                state.endpoints.eject(endpoint, exc.kind, str(exc))
-            else:  # it answered 503 (loading, draining), or was ejected already
-                state.endpoints.mark_down(endpoint, str(exc))
-            tried.add(endpoint.url)
-            refused_by_all &= exc.refused
-            if exc.sent:  # the worker may have started on it: one more try, no more
-                if retried:
-                    return _count(state, model, openai_error(
-                        502, f"two workers failed before answering: {exc}", "server_error",
-                        code="upstream_error"), charge=charge)
-                retried = True
-                state.metrics.retries.inc()
+    try:
+        while candidates := [e for e in state.endpoints.ready_for(model) if e.url not in tried]:
+            endpoint, prediction = await state.dispatcher.choose(candidates, routing)
+            exchange = Exchange(state, routing, endpoint, start, prediction, charge)
+            if released:  # its load is visible now: the queue may release the next one
+                released = False
+                state.dispatcher.settled(routing)
+            try:
+                return await forward(request, state, endpoint, path, raw, headers, exchange)
+            except TryElsewhere as exc:
+                if exc.kind is not None:
+                    state.endpoints.eject(endpoint, exc.kind, str(exc))
+                else:  # it answered 503 (loading, draining), or was ejected already
+                    state.endpoints.mark_down(endpoint, str(exc))
+                tried.add(endpoint.url)
+                refused_by_all &= exc.refused
+                if exc.sent:  # the worker may have started on it: one more try, no more
+                    if retried:
+                        return _count(state, model, openai_error(
+                            502, f"two workers failed before answering: {exc}", "server_error",
+                            code="upstream_error"), charge=charge)
+                    retried = True
+                    state.metrics.retries.inc()
+    finally:
+        if released:  # it never got a lease
+            state.dispatcher.settled(routing)
     if tried and refused_by_all:
         return _count(state, model, openai_error(
             502, f"could not connect to any worker serving `{model}`", "server_error",

@@ -155,9 +155,9 @@ class Dispatcher:
         self.errors = ErrorTracker()
         self.demand = Demand()  # what the autoscaler reads (GET /autoscale/demand)
         self.mean_ttft_s = 0.0  # EWMA of observed TTFTs (Retry-After estimates)
-        # model → when its queue last released a request that has not been leased yet:
-        # until it is, the load the gate reads does not show it, so nothing else goes
-        self._releasing: dict[str, float] = {}
+        # model → the request its queue last released, not leased yet, and when (clock): until
+        # it is leased, the load the gate reads does not show it, so nothing else goes
+        self._releasing: dict[str, tuple[RoutingRequest, float]] = {}
 
     # ------------------------------------------------------------------ the request's view
 
@@ -212,9 +212,11 @@ class Dispatcher:
     def gate(self, request: RoutingRequest) -> bool:
         """True when ``request`` may be sent now (see the module docstring)."""
         now = self.clock()
-        released = self._releasing.get(request.model)
-        if released is not None and now - released < RELEASE_HOLD_S:
-            return False
+        held = self._releasing.get(request.model)
+        if held is not None:
+            if now - held[1] < RELEASE_HOLD_S:
+                return False
+            del self._releasing[request.model]  # it never settled: stop waiting for it
         candidates = self.endpoints.ready_for(request.model)
         if not candidates or request.deadline is None:
             return True  # nothing to wait for: the proxy answers (503 without workers)
@@ -233,7 +235,8 @@ class Dispatcher:
 
     async def admit(self, request: RoutingRequest) -> bool:
         """Wait until ``request`` may be sent. True when it waited in the queue: then the
-        caller must call ``settled`` once it is leased to an endpoint (or given up).
+        caller must call ``settled(request)`` once, when it is leased to an endpoint or
+        given up.
 
         Raises:
             Rejected: its model's queue is full (or it waited too long).
@@ -244,15 +247,21 @@ class Dispatcher:
         self.metrics.queue_wait.observe(waited)
         return waited > 0
 
-    def settled(self, model: str) -> None:
-        """A request released from ``model``'s queue was leased (or gave up): the gate
-        sees its load now, so the queue may release the next one."""
-        if self._releasing.pop(model, None) is not None:
-            self.kick(model)
+    def settled(self, request: RoutingRequest) -> None:
+        """``request``, released from its model's queue, was leased (or gave up): the gate
+        sees its load now, so the queue may release the next one. Only ``request``'s own
+        hold is cleared (a later release's hold stays until that request settles)."""
+        held = self._releasing.get(request.model)
+        if held is not None and held[0] is request:
+            del self._releasing[request.model]
+            self.kick(request.model)
 
     def kick(self, model: str) -> None:
-        if self.admission.kick(model, self.gate):
-            self._releasing[model] = self.clock()
+        """Release the head of ``model``'s queue if the gate lets it through; it then holds
+        the gate (for at most ``RELEASE_HOLD_S``) until it settles."""
+        released = self.admission.kick(model, self.gate)
+        if released is not None:
+            self._releasing[model] = (released, self.clock())
 
     def tick(self) -> None:
         """Re-check every queue and held request (after a poll: workers may have turned
