@@ -149,7 +149,7 @@ def test_a_policy_that_never_scales_gives_the_static_result():
 
 def test_the_oracle_meets_its_target_on_a_small_trace():
     trace = traces.load(f"{TRACES}/azure2023_code.csv", limit=400)
-    cfg = SimConfig(boot_s=30.0, routing="slo", max_replicas=100)
+    cfg = SimConfig(boot_s=30.0, max_replicas=100)
     result, counts = oracle(trace, MODEL, cfg, capacity_rps=1.5, target=0.99)
     assert attainment(result, cfg) >= 0.99
     assert len(counts) == int(trace.arrival_s[-1] // 10) + 2 and max(counts) >= 2

@@ -31,7 +31,6 @@ import random
 from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
 from sluice.router.policy import (PolicyContext, Prediction, RoutingRequest, least_load,
                                   predict_all, round_robin, slo_pick)
-from sluice.router.predictor import itl_features
 from sluice.router.prefix import PrefixIndex, PromptShape
 from sluice.sim.replica import Replica
 
@@ -121,8 +120,8 @@ class SimRouter:
         lease.first_token()
         self.report(endpoint, replica, now)
         if prediction is not None:
-            endpoint.latency.ttft.update(prediction.features, ttft_s)
-            self.context.fleet.ttft.update(prediction.features, ttft_s)
+            endpoint.latency.fit_ttft(prediction.features, ttft_s)
+            self.context.fleet.fit_ttft(prediction.features, ttft_s)
 
     def finished(self, rid: int, mean_gap_s: float | None, replica: Replica, now: float) -> None:
         """It ended (``Dispatcher.finished``: the ITL models learn its mean gap)."""
@@ -130,9 +129,9 @@ class SimRouter:
         lease.release()
         self.report(endpoint, replica, now)
         if prediction is not None and mean_gap_s is not None and math.isfinite(mean_gap_s):
-            itl_x = itl_features(prediction.features[2] + 1)  # as Dispatcher.finished reads it
-            endpoint.latency.itl.update(itl_x, mean_gap_s)
-            self.context.fleet.itl.update(itl_x, mean_gap_s)
+            running = prediction.features.running + 1
+            endpoint.latency.fit_itl(running, mean_gap_s)
+            self.context.fleet.fit_itl(running, mean_gap_s)
 
     def report(self, endpoint: Endpoint, replica: Replica, now: float) -> None:
         """``replica``'s load as its worker reports it (headers or a /metrics poll)."""

@@ -58,7 +58,7 @@ class SimConfig:
     ttft_slo_s: float = 2.0
     itl_slo_s: float | None = 0.2
     hold_s: float = 120.0
-    routing: str = "slo"
+    routing: str = "least-load"
     candidates: int = 4
     limits: EngineLimits = field(default_factory=EngineLimits)
     sample_s: float = 5.0
