@@ -158,9 +158,10 @@ def run(args: argparse.Namespace) -> int:
             rows.append(report.summarize(label, result, config, time.perf_counter() - started,
                                          oracle_hours))
             results[label] = result
-    Console(width=max(140, Console().width)).print(report.table(rows, f"{Path(args.trace).name} × {args.scale_requests}, "
-                                 f"boot {args.boot_time:g} s, SLO TTFT {args.slo_ttft_ms:g} ms"
-                                 f" ITL {args.slo_itl_ms:g} ms"))
+    title = (f"{Path(args.trace).name} × {args.scale_requests}, boot {args.boot_time:g} s, "
+             f"SLO TTFT {args.slo_ttft_ms:g} ms ITL {args.slo_itl_ms:g} ms, routing "
+             f"{args.routing} (d={args.candidates}): one row per policy run")
+    Console(width=max(140, Console().width)).print(report.table(rows, title))
     if args.output:
         out = {"trace": str(args.trace), "requests": len(trace), "span_s": trace.span_s,
                "scale_requests": args.scale_requests, "boot_s": args.boot_time,

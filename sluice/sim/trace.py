@@ -53,11 +53,6 @@ class Trace:
     def span_s(self) -> float:
         return self.arrival_s[-1] - self.arrival_s[0] if self.arrival_s else 0.0
 
-    def head(self, n: int) -> Trace:
-        """The first ``n`` requests."""
-        return Trace(self.arrival_s[:n], self.prompt[:n], self.output[:n], self.blocks[:n],
-                     self.block_tokens)
-
 
 def load(path: str | Path, limit: int | None = None) -> Trace:
     """Read an Azure 2023 CSV or a Mooncake JSONL trace (by extension); ``limit``: the first
