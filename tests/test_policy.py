@@ -18,7 +18,7 @@ from sluice.router.policy import (DEFAULT_POLICY, POLICIES, HashRing, LeastLoadP
                                   PolicyContext, PrefixPolicy, RoundRobinPolicy, RoutingRequest,
                                   SLOPolicy, chwbl, least_load, make_policy, predict_all,
                                   round_robin, slo_pick)
-from sluice.router.predictor import ErrorTracker, RLSModel, ttft_features
+from sluice.router.predictor import ErrorTracker, RLSModel, TTFTFeatures
 from sluice.router.prefix import PrefixIndex, prompt_text, shape
 
 MODEL = "m"
@@ -202,14 +202,14 @@ def test_rls_learns_a_linear_law_and_keeps_slopes_non_negative():
     model = RLSModel((0.0, 0.0, 0.0, 0.0, 0.0))
     truth = (0.02, 0.8, 0.005, 0.6, 0.0)
     for _ in range(400):
-        x = ttft_features(rng.uniform(0, 4000), rng.randrange(0, 32), rng.uniform(0, 2000),
-                          rng.random())
+        x = TTFTFeatures(rng.uniform(0, 4000), rng.randrange(0, 32), rng.uniform(0, 2000),
+                         rng.random()).regressors()
         model.update(x, sum(a * b for a, b in zip(truth, x)) * rng.uniform(0.95, 1.05))
-    x = ttft_features(2000, 8, 500, 0.5)
+    x = TTFTFeatures(2000, 8, 500, 0.5).regressors()
     assert model.predict(x) == pytest.approx(sum(a * b for a, b in zip(truth, x)), rel=0.1)
     assert all(w >= 0 for w in model.w)
     for _ in range(50):  # adversarial data: more load, faster answers
-        model.update(ttft_features(4000, 30, 2000, 1.0), 0.0)
+        model.update(TTFTFeatures(4000, 30, 2000, 1.0).regressors(), 0.0)
     assert all(w >= 0 for w in model.w) and model.predict(x) >= 0
 
 
@@ -269,8 +269,8 @@ def test_slo_predictions_use_queued_prefill_running_and_cached_prefix():
     p = predict_all(eps, request, index, now=0.0)
     assert p[0].ttft_s > p[1].ttft_s
     eps[1].reported = WorkerLoad(running=3, queued_prefill_tokens=9_000, at=1e12)  # fresh
-    assert predict_all(eps, request, index, now=1e12)[1].features[1] == pytest.approx(9.0)
-    assert predict_all(eps, request, index, now=1e12 + 60)[1].features[1] == 0  # stale
+    assert predict_all(eps, request, index, now=1e12)[1].features.queued_prefill_tokens == pytest.approx(9000)
+    assert predict_all(eps, request, index, now=1e12 + 60)[1].features.queued_prefill_tokens == 0  # stale
 
 
 def test_slo_policy_follows_the_fitted_models():
@@ -281,8 +281,7 @@ def test_slo_policy_follows_the_fitted_models():
     for _ in range(200):
         q, u = rng.uniform(0, 4000), rng.uniform(50, 500)
         for ep, per_k in ((eps[0], 0.1), (eps[1], 1.0)):
-            x = ttft_features(q, 0, u, 0)
-            ep.latency.ttft.update(x, 0.01 + per_k * (q + u) / 1000)
+            ep.latency.fit_ttft(TTFTFeatures(q, 0, u), 0.01 + per_k * (q + u) / 1000)
     Lease(eps[0], prefill_tokens=500)  # w0: 0.01 + 0.1 · 0.6 ≈ 0.07 s; idle w1: ≈ 0.11 s
     request = RoutingRequest(MODEL, shape=shape({"prompt": "x" * 400}), deadline=None)
     assert run(policy.choose(eps, request)).url == "http://w0"  # least-load would pick w1
@@ -302,9 +301,9 @@ def test_a_new_endpoint_predicts_with_the_fleet_model_until_it_has_its_own():
     fleet, ep = LatencyModel(), Endpoint("http://new")
     x_shape = shape({"prompt": "y" * 4000})  # 1,000 tokens
     for _ in range(100):  # the fleet learnt: 2 s per 1k uncached tokens
-        fleet.ttft.update(ttft_features(0, 0, 1000, 0), 2.0)
+        fleet.fit_ttft(TTFTFeatures(0, 0, 1000), 2.0)
     assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(2.0, rel=0.1)
     assert predict(ep, x_shape, 0, 0.0).ttft_s < 1.0  # the prior alone
     for _ in range(MIN_OWN_UPDATES):
-        ep.latency.ttft.update(ttft_features(0, 0, 1000, 0), 0.5)
+        ep.latency.fit_ttft(TTFTFeatures(0, 0, 1000), 0.5)
     assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(0.5, rel=0.2)

@@ -188,7 +188,7 @@ def test_state_stays_bounded_over_many_requests():
         r = d.routing_request(body, {}, arrival=time.monotonic())
         released = await d.admit(r)
         endpoint, prediction = await d.choose(endpoints.ready_for(MODEL), r)
-        lease = Lease(endpoint, prediction.features[3] * 1000)
+        lease = Lease(endpoint, prediction.features.uncached_prompt_tokens)
         d.dispatched(endpoint, r)
         if released:
             d.settled(r)
@@ -274,3 +274,26 @@ def test_a_release_is_settled_by_its_own_request_only():
         assert d.gate(c)  # w1 has no prefill in flight
 
     run(scenario())
+
+
+def test_a_routing_attempt_predicts_each_candidate_once(monkeypatch):
+    """The gate's predictions are the policy's and the exchange's (one per candidate); a
+    retry elsewhere predicts afresh. The features read back have names."""
+    import sluice.router.policy as policy
+
+    endpoints, d = fleet(2, slo_ttft_ms=1000.0)
+    for e in endpoints:
+        Lease(e, prefill_tokens=500)  # both busy: the gate predicts
+    calls: list[str] = []
+    real = policy.predict
+    monkeypatch.setattr(policy, "predict",
+                        lambda endpoint, *a: calls.append(endpoint.url) or real(endpoint, *a))
+    r = d.routing_request(BODY, {}, arrival=time.monotonic())
+    assert d.admit_now(r)
+    endpoint, prediction = run(d.choose(endpoints.ready_for(MODEL), r))
+    assert sorted(calls) == ["http://w0", "http://w1"]
+    assert prediction.features.queued_prefill_tokens == 500
+    assert prediction.features.uncached_prompt_tokens == r.shape.tokens
+    other = [e for e in endpoints if e is not endpoint]
+    run(d.choose(other, r))  # the first worker refused it: the next attempt
+    assert calls[2:] == [other[0].url]

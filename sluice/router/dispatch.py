@@ -28,8 +28,8 @@ from sluice.router.endpoints import Endpoint, EndpointSet, ModelSettings
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES, Clock,
                                   PolicyContext, Prediction, RoutingPolicy, RoutingRequest,
-                                  make_policy, predict, predict_all)
-from sluice.router.predictor import ErrorTracker, itl_features
+                                  make_policy, predict_all)
+from sluice.router.predictor import ErrorTracker
 from sluice.router.prefix import KEY_CHARS, PrefixIndex, shape
 from sluice.router.tenants import PRIORITY_LIMIT
 
@@ -210,7 +210,9 @@ class Dispatcher:
     # ------------------------------------------------------------------ admission
 
     def gate(self, request: RoutingRequest) -> bool:
-        """True when ``request`` may be sent now (see the module docstring)."""
+        """True when ``request`` may be sent now (see the module docstring). The predictions
+        it makes stay in ``request.predicted`` for the choice that follows it."""
+        request.predicted.by_url = {}  # a new look: earlier predictions are stale
         now = self.clock()
         held = self._releasing.get(request.model)
         if held is not None:
@@ -222,9 +224,11 @@ class Dispatcher:
             return True  # nothing to wait for: the proxy answers (503 without workers)
         if any(e.prefilling == 0 for e in candidates):
             return True
+        predictions = predict_all(candidates, request, self.context.prefix_index, now,
+                                  self.context.fleet)
+        request.predicted.by_url = {e.url: p for e, p in zip(candidates, predictions)}
         budget = request.budget_s(now)
-        return any(p.ttft_s <= budget for p in predict_all(
-            candidates, request, self.context.prefix_index, now, self.context.fleet))
+        return any(p.ttft_s <= budget for p in predictions)
 
     def admit_now(self, request: RoutingRequest) -> bool:
         """True when ``request`` may go at once (nobody queued, the gate open)."""
@@ -304,12 +308,12 @@ class Dispatcher:
     async def choose(self, candidates: Sequence[Endpoint],
                      request: RoutingRequest) -> tuple[Endpoint, Prediction]:
         """The policy's pick, and the prediction for it (the features its TTFT model will be
-        fitted on when the first token comes)."""
+        fitted on when the first token comes): the one the policy or the gate made in this
+        attempt (``Predicted``), else made now; a retry elsewhere predicts afresh."""
         endpoint = await self.policy_for(request.model).choose(candidates, request)
-        matched = self.context.prefix_index.match(request.shape.blocks) \
-            if request.shape.blocks else {}
-        return endpoint, predict(endpoint, request.shape, matched.get(endpoint.url, 0),
-                                 self.clock(), self.context.fleet)
+        prediction = request.predicted.take(endpoint) or predict_all(
+            [endpoint], request, self.context.prefix_index, self.clock(), self.context.fleet)[0]
+        return endpoint, prediction
 
     def policy_for(self, model: str) -> RoutingPolicy:
         """The policy its InferenceService names (``spec.routing``), else ``--policy``.
@@ -335,8 +339,8 @@ class Dispatcher:
     def first_token(self, endpoint: Endpoint, prediction: Prediction, ttft_s: float,
                     model: str) -> None:
         """The worker's first token came ``ttft_s`` after the request was sent there."""
-        endpoint.latency.ttft.update(prediction.features, ttft_s)
-        self.context.fleet.ttft.update(prediction.features, ttft_s)
+        endpoint.latency.fit_ttft(prediction.features, ttft_s)
+        self.context.fleet.fit_ttft(prediction.features, ttft_s)
         self.errors.observe(prediction.ttft_s, ttft_s)
         self.metrics.mape.set(self.errors.mape)
         self.metrics.prediction_error.observe(abs(prediction.ttft_s - ttft_s))
@@ -347,8 +351,8 @@ class Dispatcher:
                  model: str) -> None:
         """The exchange ended (any way); ``mean_gap_s``: its mean inter-token gap, if any."""
         if mean_gap_s is not None:
-            x = itl_features(prediction.features[2] + 1)
-            endpoint.latency.itl.update(x, mean_gap_s)
-            self.context.fleet.itl.update(x, mean_gap_s)
+            running = prediction.features.running + 1
+            endpoint.latency.fit_itl(running, mean_gap_s)
+            self.context.fleet.fit_itl(running, mean_gap_s)
         self.kick(model)
 

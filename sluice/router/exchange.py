@@ -44,7 +44,7 @@ class Exchange:
         self.state, self.routing, self.model, self.start = state, routing, routing.model, start
         self.endpoint, self.prediction, self.charge = endpoint, prediction, charge
         self.clock = state.dispatcher.clock
-        self.lease = Lease(endpoint, prefill_tokens=prediction.features[3] * 1000.0)
+        self.lease = Lease(endpoint, prefill_tokens=prediction.features.uncached_prompt_tokens)
         self.sent_at = self.clock()
         self.status = 0
         self.ejected: str | None = None  # why its endpoint was ejected while it waited

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sluice.router.endpoints import Endpoint
-from sluice.router.predictor import LatencyModel, itl_features, ttft_features
+from sluice.router.predictor import LatencyModel, TTFTFeatures
 from sluice.router.prefix import PrefixIndex, PromptShape
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class RoutingRequest:
         deadline: the router's clock (seconds) by which the first token is due (arrival +
             TTFT objective); None without a TTFT objective.
         priority: lower is served first when requests queue.
+        predicted: what the admission gate and the policy predicted for its current
+            routing attempt (``Predicted``), so each candidate is predicted once per attempt.
+            Not part of its identity.
     """
 
     model: str
@@ -68,6 +71,8 @@ class RoutingRequest:
     itl_slo_s: float | None = None
     deadline: float | None = None
     priority: int = 0
+    predicted: Predicted = field(default_factory=lambda: Predicted(), compare=False,
+                                 repr=False)
 
     def budget_s(self, now: float) -> float:
         """Seconds left to the deadline (may be negative); infinite without one."""
@@ -246,12 +251,19 @@ def slo_pick(predicted_ttft: Sequence[float], cached_blocks: Sequence[int], budg
 
 @dataclass(frozen=True)
 class Prediction:
-    """One endpoint's predicted latencies for one request, and the features behind them."""
+    """One endpoint's predicted latencies for one request, and the features behind them.
+
+    Attributes:
+        ttft_s: predicted time to first token from sending, seconds.
+        itl_s: predicted mean inter-token gap, seconds.
+        cached_blocks: leading prompt blocks the prefix index expects cached there.
+        features: the endpoint's load as the request saw it (the models are fitted on it).
+    """
 
     ttft_s: float
     itl_s: float
     cached_blocks: int
-    features: tuple[float, ...]
+    features: TTFTFeatures
 
 
 def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int, now: float,
@@ -268,13 +280,13 @@ def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int, now: flo
             its siblings taught, not from the prior).
     """
     cached_tokens = min(cached_blocks * shape.block_tokens, shape.tokens - 1)
-    running = endpoint.running(now)
-    x = ttft_features(endpoint.queued_prefill_tokens(now), running,
-                      max(0.0, shape.tokens - cached_tokens), endpoint.kv_usage(now))
+    features = TTFTFeatures(endpoint.queued_prefill_tokens(now), endpoint.running(now),
+                            max(0.0, shape.tokens - cached_tokens), endpoint.kv_usage(now))
     own = endpoint.latency
-    ttft = own.ttft if fleet is None or own.ttft.updates >= MIN_OWN_UPDATES else fleet.ttft
-    itl = own.itl if fleet is None or own.itl.updates >= MIN_OWN_UPDATES else fleet.itl
-    return Prediction(ttft.predict(x), itl.predict(itl_features(running + 1)), cached_blocks, x)
+    ttft = own if fleet is None or own.ttft.updates >= MIN_OWN_UPDATES else fleet
+    itl = own if fleet is None or own.itl.updates >= MIN_OWN_UPDATES else fleet
+    return Prediction(ttft.ttft_s(features), itl.itl_s(features.running + 1), cached_blocks,
+                      features)
 
 
 def predict_all(candidates: Sequence[Endpoint], request: RoutingRequest, index: PrefixIndex,
@@ -282,6 +294,40 @@ def predict_all(candidates: Sequence[Endpoint], request: RoutingRequest, index: 
     """``predict`` for every candidate (one prefix-index lookup)."""
     matched = index.match(request.shape.blocks) if request.shape.blocks else {}
     return [predict(e, request.shape, matched.get(e.url, 0), now, fleet) for e in candidates]
+
+
+@dataclass
+class Predicted:
+    """The predictions of one routing attempt of one request, each read at most once, so
+    no candidate is predicted twice in an attempt and nothing stale is read later:
+
+        gate (all busy) ──▶ by_url ──▶ policy (slo) ──▶ chosen ──▶ Dispatcher.choose
+         predicts all       taken      predicts only      taken     predicts only when
+                                       when missing                 nothing was left
+
+    Attributes:
+        by_url: endpoint URL → the admission gate's prediction, from its last look (the
+            one that let the request through).
+        chosen: (URL, prediction) the policy left for its pick.
+    """
+
+    by_url: dict[str, Prediction] = field(default_factory=dict)
+    chosen: tuple[str, Prediction] | None = None
+
+    def take_all(self, candidates: Sequence[Endpoint]) -> list[Prediction] | None:
+        """The gate's predictions for ``candidates`` if it made them all (then forgotten)."""
+        by_url, self.by_url = self.by_url, {}
+        if all(e.url in by_url for e in candidates):
+            return [by_url[e.url] for e in candidates]
+        return None
+
+    def take(self, endpoint: Endpoint) -> Prediction | None:
+        """The policy's or the gate's prediction for ``endpoint``; forgets them all."""
+        chosen, by_url = self.chosen, self.by_url
+        self.chosen, self.by_url = None, {}
+        if chosen is not None and chosen[0] == endpoint.url:
+            return chosen[1]
+        return by_url.get(endpoint.url)
 
 
 # ---------------------------------------------------------------------------- the policies
@@ -357,11 +403,12 @@ class SLOPolicy:
 
     async def choose(self, candidates: Sequence[Endpoint], request: RoutingRequest) -> Endpoint:
         now = self.context.clock()
-        predictions = predict_all(candidates, request, self.context.prefix_index, now,
-                                  self.context.fleet)
+        predictions = request.predicted.take_all(candidates) or predict_all(
+            candidates, request, self.context.prefix_index, now, self.context.fleet)
         index = slo_pick([p.ttft_s for p in predictions], [p.cached_blocks for p in predictions],
                          request.budget_s(now), [p.itl_s for p in predictions],
                          request.itl_slo_s, self._turns.next())
+        request.predicted.chosen = (candidates[index].url, predictions[index])
         return candidates[index]
 
 

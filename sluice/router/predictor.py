@@ -1,8 +1,9 @@
 """Online latency models, one per endpoint: predicted TTFT and ITL from observed load.
 
 TTFT is modelled as linear in four features of the endpoint's state when the request is
-sent, fitted by recursive least squares (RLS) with exponential forgetting, so the model
-follows a worker whose speed changes (other tenants, a different GPU):
+sent (``TTFTFeatures``), fitted by recursive least squares (RLS) with exponential
+forgetting, so the model follows a worker whose speed changes (other tenants, a different
+GPU):
 
     ttft_s ≈ w · [1, queued_prefill_ktok, running, uncached_prompt_ktok, kv_usage]
 
@@ -27,16 +28,14 @@ import logging
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
-TTFT_FEATURES = ("intercept", "queued_prefill_ktok", "running", "uncached_prompt_ktok",
-                 "kv_usage")
 # Where a fresh endpoint starts: 30 ms + 0.4 s per 1k queued prefill tokens + 10 ms per
 # running decode + 0.4 s per 1k uncached prompt tokens (a small model on a CPU, roughly);
 # a few dozen observations move it wherever the worker really is.
 TTFT_PRIOR = (0.03, 0.4, 0.01, 0.4, 0.0)
-ITL_FEATURES = ("intercept", "running")
 ITL_PRIOR = (0.02, 0.002)
 
 
@@ -64,10 +63,12 @@ class RLSModel:
         self.updates = 0
 
     def predict(self, x: Sequence[float]) -> float:
+        self._check(x)
         return max(0.0, sum(w * v for w, v in zip(self.w, x)))
 
     def update(self, x: Sequence[float], y: float) -> None:
         """One observation: features ``x`` (same order as the prior) gave ``y``."""
+        self._check(x)
         if not math.isfinite(y) or not all(math.isfinite(v) for v in x):
             return
         n, lam, p = len(self.w), self.forgetting, self.p
@@ -89,24 +90,67 @@ class RLSModel:
         self.p = new_p
         self.updates += 1
 
-
-def ttft_features(queued_prefill_tokens: float, running: float, uncached_prompt_tokens: float,
-                  kv_usage: float) -> tuple[float, ...]:
-    """The TTFT model's feature vector (see the module docstring)."""
-    return (1.0, queued_prefill_tokens / 1000.0, float(running), uncached_prompt_tokens / 1000.0,
-            min(max(kv_usage, 0.0), 1.0))
+    def _check(self, x: Sequence[float]) -> None:
+        if len(x) != len(self.w):
+            raise ValueError(f"{len(x)} features for a model of {len(self.w)}")
 
 
-def itl_features(running: float) -> tuple[float, ...]:
+class TTFTFeatures(NamedTuple):
+    """One request's view of one endpoint when it is sent: what its TTFT is predicted from,
+    and what the models are fitted on when its first token comes.
+
+    Attributes:
+        queued_prefill_tokens: prompt tokens sent there with no first token yet (the prefill
+            work ahead of this request), or the worker's larger fresh report.
+        running: requests decoding there (the router's count, or a larger fresh report).
+        uncached_prompt_tokens: this prompt's tokens the prefix index does not expect cached
+            there (its own prefill work).
+        kv_usage: the worker's reported KV-cache usage, 0..1.
+    """
+
+    queued_prefill_tokens: float
+    running: float
+    uncached_prompt_tokens: float
+    kv_usage: float = 0.0
+
+    def regressors(self) -> tuple[float, ...]:
+        """The TTFT model's input: [1, queued ktok, running, uncached ktok, kv usage]."""
+        return (1.0, self.queued_prefill_tokens / 1000.0, float(self.running),
+                self.uncached_prompt_tokens / 1000.0, min(max(self.kv_usage, 0.0), 1.0))
+
+
+def _itl_regressors(running: float) -> tuple[float, ...]:
     return (1.0, float(running))
 
 
 class LatencyModel:
-    """One endpoint's TTFT and ITL models."""
+    """One endpoint's (or the fleet's) TTFT and ITL models.
+
+    Attributes:
+        ttft: RLS over ``TTFTFeatures.regressors``; seconds.
+        itl: RLS over [1, running]; seconds per token.
+    """
 
     def __init__(self) -> None:
         self.ttft = RLSModel(TTFT_PRIOR)
         self.itl = RLSModel(ITL_PRIOR)
+
+    def ttft_s(self, features: TTFTFeatures) -> float:
+        """Predicted TTFT, seconds (≥ 0)."""
+        return self.ttft.predict(features.regressors())
+
+    def fit_ttft(self, features: TTFTFeatures, ttft_s: float) -> None:
+        """A request sent with ``features`` had its first token ``ttft_s`` seconds later."""
+        self.ttft.update(features.regressors(), ttft_s)
+
+    def itl_s(self, running: float) -> float:
+        """Predicted mean inter-token gap with ``running`` requests decoding, seconds."""
+        return self.itl.predict(_itl_regressors(running))
+
+    def fit_itl(self, running: float, gap_s: float) -> None:
+        """A request decoding beside ``running`` others (itself included) had a mean gap of
+        ``gap_s`` seconds between tokens."""
+        self.itl.update(_itl_regressors(running), gap_s)
 
 
 class ErrorTracker:
