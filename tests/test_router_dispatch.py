@@ -297,3 +297,40 @@ def test_a_routing_attempt_predicts_each_candidate_once(monkeypatch):
     other = [e for e in endpoints if e is not endpoint]
     run(d.choose(other, r))  # the first worker refused it: the next attempt
     assert calls[2:] == [other[0].url]
+
+
+# ------------------------------------------------------------------ plain (not streamed) answers
+
+def test_a_plain_answer_teaches_the_ttft_model_only_what_it_shows():
+    """A plain answer's first token is not seen: with one token per choice its arrival is
+    that token's (an exact TTFT); otherwise it is only an upper bound, learnt from when it
+    is below the prediction, never counted as a TTFT nor in the predictor's error."""
+    from types import SimpleNamespace
+
+    from sluice.router.exchange import Exchange
+
+    now = [100.0]
+    endpoints, d = fleet(1, clock=lambda: now[0])
+    state = SimpleNamespace(metrics=d.metrics, dispatcher=d)
+    w0 = endpoints.ready_for(MODEL)[0]
+
+    def answer(tokens: int, after_s: float) -> None:
+        r = d.routing_request({**BODY, "stream": False}, {}, arrival=now[0])
+        endpoint, prediction = run(d.choose([w0], r))
+        exchange = Exchange(state, r, endpoint, now[0], prediction)
+        now[0] += after_s
+        exchange.on_headers(200, {})
+        exchange.on_body(b'{"choices": [], "usage": {"prompt_tokens": 90, "completion_tokens": '
+                         b'%d, "total_tokens": %d}}' % (tokens, tokens + 90))
+        exchange.on_complete()
+
+    def ttfts() -> float | None:
+        return d.metrics.registry.get_sample_value(names.ROUTER_TTFT + "_count")
+
+    answer(1, 0.25)  # one token: exact
+    assert ttfts() == 1 and w0.latency.ttft.updates == 1 and len(d.errors) == 1
+    answer(16, 30.0)  # 16 tokens, slower than predicted: says nothing about the first
+    assert ttfts() == 1 and w0.latency.ttft.updates == 1 and len(d.errors) == 1
+    answer(16, 0.001)  # faster than predicted: the prediction was too high
+    assert ttfts() == 1 and w0.latency.ttft.updates == 2 and len(d.errors) == 1
+    assert w0.in_flight == 0 and w0.prefilling == 0

@@ -4,6 +4,7 @@ endpoint, and what each exchange teaches the latency models.
     body + headers ──▶ routing_request ──▶ admit (queue, 429) ──▶ choose (policy)
                                                                       │ lease + prefix record
     first token ──▶ first_token: fit the endpoint's TTFT model, MAPE ◀┘
+    plain answer ─▶ first_token when it has one token, else ttft_at_most (an upper bound)
     finished    ──▶ finished: fit its ITL model; kick the model's queue
 
 The admission gate (``gate``) lets a request through when some ready endpoint is predicted
@@ -346,6 +347,16 @@ class Dispatcher:
         self.metrics.prediction_error.observe(abs(prediction.ttft_s - ttft_s))
         self.mean_ttft_s += EWMA_ALPHA * (ttft_s - self.mean_ttft_s)
         self.kick(model)
+
+    def ttft_at_most(self, endpoint: Endpoint, prediction: Prediction, bound_s: float) -> None:
+        """A plain answer of several tokens came ``bound_s`` seconds after it was sent: its
+        first token came no later, at an unknown time. Below the prediction, the bound says
+        the prediction was too high, so the TTFT models are fitted on it (a step toward the
+        truth, which is lower still); above it, it says nothing. Either way it is no TTFT
+        observation: the MAPE and the mean TTFT leave it out."""
+        if bound_s < prediction.ttft_s:
+            endpoint.latency.fit_ttft(prediction.features, bound_s)
+            self.context.fleet.fit_ttft(prediction.features, bound_s)
 
     def finished(self, endpoint: Endpoint, prediction: Prediction, mean_gap_s: float | None,
                  model: str) -> None:

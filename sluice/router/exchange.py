@@ -13,6 +13,7 @@ latency observations, the tenant's token charge, and its ejection.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import TYPE_CHECKING, Any
 
 from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
@@ -23,12 +24,18 @@ if TYPE_CHECKING:
     from sluice.router.app import RouterState
 
 
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
 class Exchange:
     """One request at one endpoint.
 
     The first token is a stream's first chunk (a worker sends nothing before its first
-    token; a chat stream's role events come with it, as vLLM sends them); for a plain
-    response, the whole body.
+    token; a chat stream's role events come with it, as vLLM sends them). A plain answer
+    arrives whole, and the worker reports no first-token time (only the load headers and
+    the usage): when its usage shows one token per choice, the first token was the last,
+    so its arrival is an exact TTFT; otherwise the arrival only bounds the TTFT from above
+    (``Dispatcher.ttft_at_most``), and the router records no TTFT for it.
 
     Args:
         state: the router's state (metrics, dispatcher).
@@ -96,9 +103,18 @@ class Exchange:
             self.endpoint.reported = report
 
     def on_body(self, body: bytes) -> None:
-        """A plain (not streamed) answer arrived whole."""
+        """A plain (not streamed) answer arrived whole (see the class docstring)."""
+        now = self.clock()
         if self.charge is not None:
             self._usage = usage_in(body)
+        if self.status >= 400:
+            return
+        found = _COMPLETION_TOKENS.findall(body)
+        if found and int(found[-1]) <= choices(self.routing):
+            self._first_token(now)
+        else:
+            self.state.dispatcher.ttft_at_most(self.endpoint, self.prediction,
+                                               now - self.sent_at)
 
     def on_chunk(self, chunk: bytes) -> None:
         now = self.clock()
@@ -155,10 +171,15 @@ class Exchange:
         return None
 
 
+def choices(routing: RoutingRequest) -> int:
+    """The choices the request asks for (its ``n``; 1 by default)."""
+    n = routing.body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
 def role_events(routing: RoutingRequest) -> int:
     """SSE events of a chat stream that carry no token (the role chunks, one per choice,
     sent with the first token)."""
     if not routing.stream or "messages" not in routing.body:
         return 0
-    n = routing.body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    return choices(routing)

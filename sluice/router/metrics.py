@@ -30,7 +30,9 @@ class RouterMetrics:
         self.requests = Counter(names.ROUTER_REQUESTS, "Requests by served model and HTTP status.",
                                 ["model", "status"], registry=reg)
         self.ttft = Histogram(names.ROUTER_TTFT, "Seconds from request arrival (queueing "
-                              "included) to the first streamed token from the worker.",
+                              "included) to the first token from the worker: a stream's first "
+                              "chunk, or a plain answer of one token per choice (a longer "
+                              "plain answer's first token is not seen).",
                               buckets=names.TTFT_BUCKETS, registry=reg)
         self.itl = Histogram(names.ROUTER_ITL, "Seconds between streamed chunks from the worker.",
                              buckets=names.ITL_BUCKETS, registry=reg)
@@ -90,8 +92,10 @@ class DemandCollector:
                                        "model.", labels=["model"])
         held = GaugeMetricFamily(names.ROUTER_HELD, "Requests held now because no replica "
                                  "of their model is ready (scale from zero).", labels=["model"])
-        requests = CounterMetricFamily(names.ROUTER_SLO_REQUESTS, "Streamed requests with an "
-                                       "objective, by model and objective (ttft, itl).",
+        requests = CounterMetricFamily(names.ROUTER_SLO_REQUESTS, "Requests with an objective "
+                                       "whose first token the router saw (streams; plain answers "
+                                       "of one token per choice), by model and objective (ttft, "
+                                       "itl).",
                                        labels=["model", "objective"])
         met = CounterMetricFamily(names.ROUTER_SLO_MET, "Of those, the ones that met it.",
                                   labels=["model", "objective"])
