@@ -60,6 +60,20 @@ def test_service_view_and_settings_from_inferenceservices():
                          "spec": {"model": {"name": "A"}}}) == ServiceView("A", created=older)
 
 
+def test_service_view_reads_each_section_through_the_spec_model():
+    """spec.slo, spec.routing and spec.autoscaling are read with InferenceServiceSpec's own
+    section models (strictly, as the API server would admit them): a section the model
+    refuses counts as unset, whole, and unset fields stay None (the router's flags apply)."""
+    out_of_bounds = {"spec": {"model": {"name": "C"},
+                              "slo": {"ttftMs": 5_000_000, "itlMs": 20},  # > 1 h
+                              "routing": {"strategy": "nope", "loadFactor": 2.0},
+                              "autoscaling": {"enabled": True, "holdSeconds": 7200}}}
+    assert service_view(out_of_bounds) == ServiceView("C")
+    partial = {"spec": {"model": {"name": "D"}, "slo": {"itlMs": 20},
+                        "routing": {"loadFactor": 3}, "autoscaling": {"enabled": True}}}
+    assert service_view(partial) == ServiceView("D", itl_ms=20.0, load_factor=3.0, hold_s=60.0)
+
+
 def test_each_model_gets_the_policy_its_inferenceservice_names():
     endpoints, d = fleet(policy="least-load")
     assert isinstance(d.policy_for(MODEL), LeastLoadPolicy)  # no discovery: --policy

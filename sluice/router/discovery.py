@@ -33,15 +33,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from sluice.api.service import API_VERSION, CascadeSpec, served_model, served_name_owners
+from pydantic import BaseModel, ValidationError
+
+from sluice.api.service import (API_VERSION, AutoscalingSpec, CascadeSpec, RoutingSpec, SLOSpec,
+                                served_model, served_name_owners)
 from sluice.cascade.tiers import resolve_cascades
 from sluice.operator.resources import MANAGED_SELECTOR, PLURAL, WORKER_PORT_NAME, WORKER_SUFFIX
 from sluice.router.cascade import Cascade, cascades_of
 from sluice.router.endpoints import EndpointSet, ModelSettings
 
 logger = logging.getLogger(__name__)
+
+Section = TypeVar("Section", bound=BaseModel)
 
 GROUP, VERSION = API_VERSION.split("/")
 NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -114,31 +119,32 @@ class ServiceView:
 def service_view(isvc: Mapping[str, Any]) -> ServiceView:
     """``spec.model.name``, ``spec.slo.{ttftMs, itlMs}``, ``spec.routing.{strategy,
     loadFactor}``, with autoscaling on ``spec.autoscaling.holdSeconds``,
-    ``metadata.creationTimestamp`` and ``spec.cascade`` (None when absent or invalid: the
-    operator reports that) of an InferenceService as JSON."""
+    ``metadata.creationTimestamp`` and ``spec.cascade`` of an InferenceService as JSON.
+
+    Each section is read with its ``InferenceServiceSpec`` model (strictly: as the API
+    server admits it); a section the model refuses counts as absent (the operator reports
+    the invalid spec), and a routing field the spec leaves unset is None, so the router's
+    own flag applies rather than the CRD's default."""
     spec = isvc.get("spec") or {}
-    slo, routing = spec.get("slo") or {}, spec.get("routing") or {}
-    scaling = spec.get("autoscaling") or {}
-
-    def positive(value: Any) -> float | None:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-        return float(value) if ok else None
-
-    strategy = routing.get("strategy")
-    return ServiceView(served_model(isvc), positive(slo.get("ttftMs")), positive(slo.get("itlMs")),
-                       strategy if isinstance(strategy, str) else None,
-                       positive(routing.get("loadFactor")),
-                       positive(scaling.get("holdSeconds", 60.0)) if scaling.get("enabled") is True
-                       else None, str((isvc.get("metadata") or {}).get("creationTimestamp") or ""),
-                       _cascade(spec.get("cascade")))
+    slo = _section(SLOSpec, spec.get("slo")) or SLOSpec()
+    routing = _section(RoutingSpec, spec.get("routing")) or RoutingSpec()
+    scaling = _section(AutoscalingSpec, spec.get("autoscaling")) or AutoscalingSpec()
+    declared = routing.model_fields_set
+    return ServiceView(served_model(isvc), slo.ttft_ms, slo.itl_ms,
+                       routing.strategy if "strategy" in declared else None,
+                       routing.load_factor if "load_factor" in declared else None,
+                       scaling.hold_seconds if scaling.enabled else None,
+                       str((isvc.get("metadata") or {}).get("creationTimestamp") or ""),
+                       _section(CascadeSpec, spec.get("cascade"), strict=False))
 
 
-def _cascade(raw: Any) -> CascadeSpec | None:
+def _section(model: type[Section], raw: Any, strict: bool = True) -> Section | None:
+    """``raw`` as ``model``, or None when it is absent or the model refuses it."""
     if raw is None:
         return None
     try:
-        return CascadeSpec.model_validate(raw)
-    except ValueError:
+        return model.model_validate(raw, strict=strict)
+    except ValidationError:
         return None
 
 
