@@ -195,7 +195,7 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
                          "policies", "timelines"}
     assert data["requests"] == 200 and data["slo"]["ttft_ms"] == 2000.0
     rows = {r["policy"]: r for r in data["policies"]}
-    assert list(rows) == ["oracle", "sluice", "static:replicas=2"]
+    assert list(rows) == ["oracle", "sluice:cap=1", "static:replicas=2"]
     assert all(list(r) == list(report.SUMMARY_KEYS) for r in rows.values())
     assert rows["oracle"]["slo_attainment_pct"] >= 99.0 and rows["oracle"]["oracle_ratio"] == 1
     assert rows["static:replicas=2"]["replica_hours"] == pytest.approx(

@@ -73,22 +73,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan(specs: list[tuple[str, dict[str, float]]], sweep: bool,
-         peak: int) -> list[tuple[str, str, dict[str, float]]]:
-    """(label, policy, knobs) per run: each spec, and with ``sweep`` its knob's values
-    (static's as fractions of the oracle's ``peak``); the oracle is run apart."""
-    from sluice.sim.policies import KNOBS
+         peak: int) -> list[tuple[str, str, dict[str, float], bool]]:
+    """(label, policy, knobs, asked for) per run: each spec, and with ``sweep`` its main
+    knob's other values (static's as fractions of the oracle's ``peak``). Labels name the
+    main knob's value, e.g. ``kpa:target=32``. The oracle is run apart."""
+    from sluice.sim.policies import KNOBS, default
 
     runs = []
     for name, knobs in specs:
         if name == "oracle":
             continue
-        runs.append((name + "".join(f":{k}={v:g}" for k, v in knobs.items()), name, knobs))
+        knob = KNOBS[name]
+        taken = knobs.get(knob, peak if name == "static" else default(name, knob))
+        label = f"{name}:{knob}={taken:g}" + "".join(
+            f",{k}={v:g}" for k, v in knobs.items() if k != knob)
+        runs.append((label, name, knobs, True))
         if sweep:
-            knob = KNOBS[name]
             values = [max(1, round(f * peak)) for f in SWEEPS[name]] if name == "static" \
                 else SWEEPS[name]
-            runs += [(f"{name}:{knob}={v:g}", name, {**knobs, knob: v}) for v in values
-                     if knobs.get(knob) != v]
+            runs += [(f"{name}:{knob}={v:g}", name, {**knobs, knob: v}, False)
+                     for v in dict.fromkeys(values) if v != taken]
     return runs
 
 
@@ -131,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
     err.print(f"one replica: {capacity:.3f} req/s at the SLO, {max_rps:.3f} req/s saturated")
-    rows, results = [], {}
+    rows, results, shown = [], {}, ["oracle"]
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[now]}"), TimeElapsedColumn(), console=err,
                   disable=args.no_progress) as bar:
@@ -149,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         results["oracle"] = result
         ctx = policies.Context(capacity, max_rps, args.boot_time, args.max_replicas,
                                peak=max(counts), attainment_target=target)
-        for label, name, knobs in plan(specs, args.sweep, ctx.peak):
+        for label, name, knobs, asked in plan(specs, args.sweep, ctx.peak):
             policy = policies.make(name, knobs, ctx)
             initial = policy.replicas if isinstance(policy, policies.Static) else counts[0]
             started = time.perf_counter()
@@ -158,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(report.summarize(label, result, config, time.perf_counter() - started,
                                          oracle_hours))
             results[label] = result
+            if asked:
+                shown.append(label)
     title = (f"{Path(args.trace).name} × {args.scale_requests}, boot {args.boot_time:g} s, "
              f"SLO TTFT {args.slo_ttft_ms:g} ms ITL {args.slo_itl_ms:g} ms, routing "
              f"{args.routing} (d={args.candidates}): one row per policy run")
@@ -176,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.output).write_text(json.dumps(out, indent=1))
     if args.plot:
         stem = f"{Path(args.trace).stem}_x{args.scale_requests}_boot{args.boot_time:g}"
-        for p in report.plot(rows, results, config, Path(args.plot), stem):
+        for p in report.plot(rows, {k: results[k] for k in shown}, config, Path(args.plot),
+                             stem):
             err.print(f"wrote {p}")
     return 0

@@ -32,6 +32,7 @@ Knobs: ``name:key=value,key=value`` (see ``KNOBS``), e.g. ``kpa:target=10``.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections import deque
@@ -279,6 +280,12 @@ def parse(spec: str) -> tuple[str, dict[str, float]]:
             raise ValueError(f"knob {item!r} of {spec!r} is not key=value")
         knobs[key.strip()] = float(value)
     return name, knobs
+
+
+def default(name: str, knob: str) -> float | None:
+    """The value policy ``name`` gives ``knob`` when it is not set."""
+    cls = POLICIES["dynamo" if name == "dynamo-reactive" else name]
+    return inspect.signature(cls).parameters[knob].default
 
 
 def make(name: str, knobs: dict[str, float], ctx: Context) -> Policy:

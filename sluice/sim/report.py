@@ -101,11 +101,11 @@ def ttft_over_time(result: Result, bin_s: float = 30.0) -> list[tuple[float, flo
     return [(k * bin_s, percentile(sorted(v), 90)) for k, v in sorted(bins.items())]
 
 
-def plot(rows: list[dict[str, Any]], results: dict[str, Result], config: SimConfig,
+def plot(rows: list[dict[str, Any]], shown: dict[str, Result], config: SimConfig,
          directory: Path, stem: str) -> list[Path]:
-    """Under ``directory``: ``sim_<stem>_attainment.png`` (every run: attainment against
+    """Under ``directory``: ``sim_<stem>_attainment.png`` (every row: attainment against
     replica-hours, a curve per policy over its knob) and ``sim_<stem>_timeline.png``
-    (replicas and p90 TTFT over time of each policy's default run); [] without matplotlib."""
+    (replicas and p90 TTFT over time of the ``shown`` runs); [] without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -132,9 +132,7 @@ def plot(rows: list[dict[str, Any]], results: dict[str, Result], config: SimConf
     fig.savefig(paths[0], dpi=120, bbox_inches="tight")
     plt.close(fig)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for name, result in results.items():
-        if ":" in name:
-            continue  # a swept variant
+    for name, result in shown.items():
         top.step([s[0] for s in result.timeline], [s[1] for s in result.timeline], where="post",
                  label=name)
         points = ttft_over_time(result)
