@@ -226,8 +226,9 @@ def exposition() -> dict[str, set[str]]:
     router = RouterMetrics()
     router.registry.register(DemandCollector(lambda: {MODEL: {
         "arrivals": 3, "held": 1, "ttft_total": 2, "ttft_met": 1, "itl_total": 2, "itl_met": 2}}))
-    router.ttft.observe(0.2)
-    router.itl.observe(0.02)
+    router.ttft.labels(MODEL).observe(0.2)
+    router.itl.labels(MODEL).observe(0.02)
+    router.e2e.labels(MODEL).observe(0.5)
     router.queue_length.labels(MODEL).set(2)
     router.rejected.labels(MODEL, "queue_full").inc()
 

@@ -339,7 +339,8 @@ def test_a_plain_answer_teaches_the_ttft_model_only_what_it_shows():
         exchange.on_complete()
 
     def ttfts() -> float | None:
-        return d.metrics.registry.get_sample_value(names.ROUTER_TTFT + "_count")
+        return d.metrics.registry.get_sample_value(names.ROUTER_TTFT + "_count",
+                                                   {"model": MODEL})
 
     answer(1, 0.25)  # one token: exact
     assert ttfts() == 1 and w0.latency.ttft.updates == 1 and len(d.errors) == 1

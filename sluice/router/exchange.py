@@ -124,13 +124,13 @@ class Exchange:
         if self._first_token_at is None:
             self._first_token(now)
         else:
-            self.state.metrics.itl.observe(now - self._last_chunk)
+            self.state.metrics.itl.labels(self.model).observe(now - self._last_chunk)
             self._gaps += 1
         self._last_chunk = now
 
     def _first_token(self, now: float) -> None:
         self._first_token_at = now
-        self.state.metrics.ttft.observe(now - self.start)
+        self.state.metrics.ttft.labels(self.model).observe(now - self.start)
         self.state.dispatcher.demand.first_token(self.model, now - self.start,
                                                  self.routing.ttft_slo_s)
         self.lease.first_token()
@@ -152,7 +152,7 @@ class Exchange:
                                               self.routing.itl_slo_s)
         if counted:
             now = self.clock()
-            self.state.metrics.e2e.observe(now - self.start)
+            self.state.metrics.e2e.labels(self.model).observe(now - self.start)
             self.state.metrics.requests.labels(self.model, str(self.status)).inc()
             if self.charge is not None:
                 self.charge.settle(self.status, self._used_tokens(), now)

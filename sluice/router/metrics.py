@@ -32,12 +32,13 @@ class RouterMetrics:
         self.ttft = Histogram(names.ROUTER_TTFT, "Seconds from request arrival (queueing "
                               "included) to the first token from the worker: a stream's first "
                               "chunk, or a plain answer of one token per choice (a longer "
-                              "plain answer's first token is not seen).",
+                              "plain answer's first token is not seen), by model.", ["model"],
                               buckets=names.TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram(names.ROUTER_ITL, "Seconds between streamed chunks from the worker.",
-                             buckets=names.ITL_BUCKETS, registry=reg)
+        self.itl = Histogram(names.ROUTER_ITL, "Seconds between streamed chunks from the worker, "
+                             "by model.", ["model"], buckets=names.ITL_BUCKETS, registry=reg)
         self.e2e = Histogram(names.ROUTER_E2E, "Seconds from request arrival to the end of the "
-                             "worker's response.", buckets=names.E2E_BUCKETS, registry=reg)
+                             "worker's response, by model.", ["model"], buckets=names.E2E_BUCKETS,
+                             registry=reg)
         self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "Requests being served by a worker.",
                                registry=reg)
         self.queue_length = Gauge(names.ROUTER_QUEUE_LENGTH, "Requests waiting in the router's "
