@@ -53,7 +53,8 @@ def main() -> int:
     parser.add_argument("--trace", default="../shared/traces/azure2023_conv.csv")
     parser.add_argument("--scale", action="append", default=[], metavar="K:N",
                         help="trace × K requests on N replicas (repeatable; default 1:100)")
-    parser.add_argument("--routing", default="slo")
+    parser.add_argument("--routing", default="least-load",
+                        help="least-load (default) | slo | round-robin")
     parser.add_argument("--candidates", type=int, default=4)
     parser.add_argument("--profile", default=str(SYNTHETIC),
                         help="step profile JSON (default: the synthetic one)")

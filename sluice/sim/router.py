@@ -111,13 +111,14 @@ class SimRouter:
         endpoint = candidates[k]
         if blocks:
             self.context.prefix_index.record(blocks, endpoint.url)
-        self._leases[rid] = (endpoint, Lease(endpoint, prefill_tokens=uncached), prediction)
+        lease = Lease(endpoint, prefill_tokens=uncached, now=now)
+        self._leases[rid] = (endpoint, lease, prediction)
         return picked[k]
 
     def first_token(self, rid: int, ttft_s: float, replica: Replica, now: float) -> None:
         """Its first token came ``ttft_s`` after it was sent (``Dispatcher.first_token``)."""
         endpoint, lease, prediction = self._leases[rid]
-        lease.first_token()
+        lease.first_token(now)
         self.report(endpoint, replica, now)
         if prediction is not None:
             endpoint.latency.fit_ttft(prediction.features, ttft_s)
@@ -126,7 +127,7 @@ class SimRouter:
     def finished(self, rid: int, mean_gap_s: float | None, replica: Replica, now: float) -> None:
         """It ended (``Dispatcher.finished``: the ITL models learn its mean gap)."""
         endpoint, lease, prediction = self._leases.pop(rid)
-        lease.release()
+        lease.release(now)
         self.report(endpoint, replica, now)
         if prediction is not None and mean_gap_s is not None and math.isfinite(mean_gap_s):
             running = prediction.features.running + 1
