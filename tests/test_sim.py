@@ -192,7 +192,7 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     assert set(data) == {"trace", "requests", "span_s", "scale_requests", "boot_s",
                          "boot_jitter", "max_replicas", "slo", "routing", "profile",
                          "capacity_rps", "max_rps", "oracle_schedule", "oracle_step_s",
-                         "policies", "timelines"}
+                         "policies", "timeline_fields", "timelines"}
     assert data["requests"] == 200 and data["slo"]["ttft_ms"] == 2000.0
     rows = {r["policy"]: r for r in data["policies"]}
     assert list(rows) == ["oracle", "sluice:cap=1", "static:replicas=2"]

@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle-passes", type=int, default=5,
                         help="replays refining the oracle where it missed (default 5)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="write the figures as JSON here")
+    parser.add_argument("--output", help="write the figures as JSON here (timelines: the "
+                        "oracle and the asked-for runs, not the swept ones)")
     parser.add_argument("--plot", help="write PNG plots into this directory "
                         "(sim_<trace>_x<K>_boot<S>_attainment.png, …_timeline.png)")
     parser.add_argument("--no-progress", action="store_true")
@@ -178,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
                "profile": {"path": str(path), "model": model.model},
                "capacity_rps": capacity, "max_rps": max_rps, "oracle_schedule": counts,
                "oracle_step_s": args.oracle_step, "policies": rows,
-               "timelines": {k: [list(s) for s in r.timeline] for k, r in results.items()}}
+               "timeline_fields": ["t_s", "billed", "ready", "in_flight", "held"],
+               "timelines": {k: [list(s) for s in results[k].timeline] for k in shown}}
         Path(args.output).write_text(json.dumps(out, indent=1))
     if args.plot:
         stem = f"{Path(args.trace).stem}_x{args.scale_requests}_boot{args.boot_time:g}"
