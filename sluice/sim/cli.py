@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 
 ALL = ("static", "sluice", "kubeai", "kpa", "keda", "dynamo", "dynamo-reactive")
 # each baseline's main knob, swept (--sweep): static's as fractions of the oracle's peak
-SWEEPS = {"static": (0.5, 0.75, 1.0), "sluice": (0.75, 1.0, 1.5, 2.0),
-          "kubeai": (4, 8, 16, 32), "kpa": (4, 8, 16, 32), "keda": (1, 2, 5, 10),
-          "dynamo": (0.25, 0.5, 0.75, 1.0), "dynamo-reactive": (0.5, 1.0)}
+SWEEPS = {"static": (0.5, 0.75, 1.0), "sluice": (0.5, 0.75, 1.0, 1.5, 2.0),
+          "kubeai": (1, 2, 4, 8, 16, 32), "kpa": (1, 2, 4, 8, 16, 32), "keda": (1, 2, 5, 10),
+          "dynamo": (0.1, 0.25, 0.5, 0.75, 1.0), "dynamo-reactive": (0.25, 0.5, 1.0)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
