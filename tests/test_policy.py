@@ -53,8 +53,8 @@ def test_least_load_ties_by_queued_tokens_then_rotation():
 
 def test_least_load_policy_reads_in_flight_then_queued_prefill():
     policy, eps = LeastLoadPolicy(), endpoints(3)
-    Lease(eps[0], prefill_tokens=900)
-    Lease(eps[1], prefill_tokens=10)
+    Lease(eps[0], 900, 0.0)
+    Lease(eps[1], 10, 0.0)
     eps[2].in_flight = 5
     assert run(policy.choose(eps, RoutingRequest(MODEL))).url == "http://w1"
 
@@ -177,10 +177,10 @@ def test_prefix_policy_bounds_load_under_a_single_hot_prefix():
     """Every request shares one prefix: CHWBL keeps each endpoint ≤ ⌈c · m / n⌉."""
     policy, eps = PrefixPolicy(PolicyContext(load_factor=1.25)), endpoints(4)
     request = RoutingRequest(MODEL, shape=shape({"prompt": "tenant A system prompt " * 20}))
-    leases = [Lease(run(policy.choose(eps, request))) for _ in range(40)]
+    leases = [Lease(run(policy.choose(eps, request)), 0.0, 0.0) for _ in range(40)]
     assert max(e.in_flight for e in eps) <= math.ceil(1.25 * 40 / 4)
     for lease in leases:
-        lease.release()
+        lease.release(0.0)
     # idle again: the same prefix goes back to its home endpoint every time
     assert len({run(policy.choose(eps, request)).url for _ in range(5)}) == 1
 
@@ -202,15 +202,16 @@ def test_rls_learns_a_linear_law_and_keeps_slopes_non_negative():
     model = RLSModel((0.0, 0.0, 0.0, 0.0, 0.0))
     truth = (0.02, 0.8, 0.005, 0.6, 0.0)
     for _ in range(400):
-        x = TTFTFeatures(rng.uniform(0, 4000), rng.randrange(0, 32), rng.uniform(0, 2000),
-                         rng.random()).regressors()
+        x = (1.0, rng.uniform(0, 4), rng.randrange(0, 32), rng.uniform(0, 2), rng.random())
         model.update(x, sum(a * b for a, b in zip(truth, x)) * rng.uniform(0.95, 1.05))
-    x = TTFTFeatures(2000, 8, 500, 0.5).regressors()
+    x = (1.0, 2.0, 8, 0.5, 0.5)
     assert model.predict(x) == pytest.approx(sum(a * b for a, b in zip(truth, x)), rel=0.1)
     assert all(w >= 0 for w in model.w)
     for _ in range(50):  # adversarial data: more load, faster answers
-        model.update(TTFTFeatures(4000, 30, 2000, 1.0).regressors(), 0.0)
+        model.update((1.0, 4.0, 30, 2.0, 1.0), 0.0)
     assert all(w >= 0 for w in model.w) and model.predict(x) >= 0
+    with pytest.raises(ValueError):
+        model.predict((1.0, 2.0))  # a feature vector of another model
 
 
 def test_rls_covariance_stays_bounded_without_excitation():
@@ -265,7 +266,7 @@ def test_slo_predictions_use_queued_prefill_running_and_cached_prefix():
     p = predict_all(eps, request, index, now=0.0)
     assert p[0].cached_blocks == len(request.shape.blocks) and p[1].cached_blocks == 0
     assert p[0].ttft_s < p[1].ttft_s  # fewer uncached tokens
-    Lease(eps[0], prefill_tokens=5_000)  # a long prefill queued ahead on w0
+    Lease(eps[0], 5_000, 0.0)  # a long prefill queued ahead on w0
     p = predict_all(eps, request, index, now=0.0)
     assert p[0].ttft_s > p[1].ttft_s
     eps[1].reported = WorkerLoad(running=3, queued_prefill_tokens=9_000, at=1e12)  # fresh
@@ -273,19 +274,19 @@ def test_slo_predictions_use_queued_prefill_running_and_cached_prefix():
     assert predict_all(eps, request, index, now=1e12 + 60)[1].features.queued_prefill_tokens == 0  # stale
 
 
-def test_slo_policy_follows_the_fitted_models():
-    """w1 is learnt to be ten times slower per token: a busier w0 still answers sooner."""
+def test_slo_policy_follows_the_observed_drain_rates():
+    """w0 works off prefill ten times faster than w1: a busier w0 still answers sooner."""
     eps = endpoints(2)
     policy = SLOPolicy()
-    rng = random.Random(3)
-    for _ in range(200):
-        q, u = rng.uniform(0, 4000), rng.uniform(50, 500)
-        for ep, per_k in ((eps[0], 0.1), (eps[1], 1.0)):
-            ep.latency.fit_ttft(TTFTFeatures(q, 0, u), 0.01 + per_k * (q + u) / 1000)
-    Lease(eps[0], prefill_tokens=500)  # w0: 0.01 + 0.1 · 0.6 ≈ 0.07 s; idle w1: ≈ 0.11 s
+    for ep, tokens_per_s in ((eps[0], 10_000.0), (eps[1], 1_000.0)):
+        ep.drain.advance(0.0, True)
+        ep.drain.advance(10.0, True)  # busy 10 s...
+        ep.drain.drained(tokens_per_s * ep.drain.busy_s)  # ...at this rate
+        assert ep.drain.rate() == pytest.approx(tokens_per_s)
+    Lease(eps[0], 500, 10.0)  # w0: 0.03 + 0.6k / 10k ≈ 0.09 s; idle w1: 0.03 + 0.1 ≈ 0.13 s
     request = RoutingRequest(MODEL, shape=shape({"prompt": "x" * 400}), deadline=None)
     assert run(policy.choose(eps, request)).url == "http://w0"  # least-load would pick w1
-    Lease(eps[0], prefill_tokens=2_500)  # w0: ≈ 0.32 s
+    Lease(eps[0], 2_500, 10.0)  # w0: ≈ 0.34 s
     assert run(policy.choose(eps, request)).url == "http://w1"
 
 
@@ -300,10 +301,50 @@ def test_a_new_endpoint_predicts_with_the_fleet_model_until_it_has_its_own():
 
     fleet, ep = LatencyModel(), Endpoint("http://new")
     x_shape = shape({"prompt": "y" * 4000})  # 1,000 tokens
-    for _ in range(100):  # the fleet learnt: 2 s per 1k uncached tokens
-        fleet.fit_ttft(TTFTFeatures(0, 0, 1000), 2.0)
+    for _ in range(100):  # the fleet learnt: 2 s for 1k uncached tokens at the prior rate
+        fleet.fit_ttft(TTFTFeatures(0, 1000), 2.0)
     assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(2.0, rel=0.1)
     assert predict(ep, x_shape, 0, 0.0).ttft_s < 1.0  # the prior alone
     for _ in range(MIN_OWN_UPDATES):
-        ep.latency.fit_ttft(TTFTFeatures(0, 0, 1000), 0.5)
+        ep.latency.fit_ttft(TTFTFeatures(0, 1000), 0.5)
     assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(0.5, rel=0.2)
+
+
+def test_ttft_follows_the_observed_drain_rate_of_a_queue():
+    """A replica works off prefill first come, first served at R tokens/s (plus 10 ms for
+    the first decode step) at 80 % utilisation; halfway R drops from 4,000 to 1,000 tokens/s
+    (another tenant took the GPU). Predicting TTFT as the work ahead plus its own over the
+    observed drain rate stays within 20 % MAPE in each phase once the rate is learnt."""
+    from sluice.router.policy import predict
+    from sluice.router.predictor import LatencyModel
+    from sluice.router.prefix import PromptShape
+
+    rng = random.Random(7)
+    ep, fleet = Endpoint("http://w0"), LatencyModel()
+    phases = [ErrorTracker(window=150), ErrorTracker(window=150)]
+    pending: list = []  # FCFS: first tokens come in sending order
+    t = free_at = 0.0
+
+    def first_tokens(until: float) -> None:
+        while pending and pending[0][0] <= until:
+            at, lease, sent, prediction, phase = pending.pop(0)
+            lease.first_token(at)
+            lease.release(at)
+            ep.latency.fit_ttft(prediction.features, at - sent)
+            fleet.fit_ttft(prediction.features, at - sent)
+            if phase is not None:
+                phase.observe(prediction.ttft_s, at - sent)
+
+    for i in range(600):
+        rate = 4000.0 if i < 300 else 1000.0
+        t += rng.expovariate(0.8 * rate / (275 + 10 * rate / 1000))
+        first_tokens(t)
+        own = rng.randint(50, 500)
+        prediction = predict(ep, PromptShape(tokens=own), 0, t, fleet)
+        assert prediction.features.uncached_prompt_tokens == own
+        free_at = max(t, free_at) + own / rate + 0.01
+        pending.append((free_at, Lease(ep, own, t), t, prediction,
+                        phases[i // 300] if i % 300 >= 150 else None))
+    first_tokens(math.inf)
+    assert all(p.mape <= 0.2 for p in phases), [p.mape for p in phases]
+    assert 700 < ep.drain.rate() < 1300  # tokens/s, the second phase's

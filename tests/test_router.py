@@ -68,14 +68,14 @@ def test_concurrent_choices_spread_with_leases():
     """Choosing and leasing back to back (as the router does) never piles onto one worker."""
     policy = LeastLoadPolicy()
     eps = [Endpoint("http://a"), Endpoint("http://b")]
-    leases = [Lease(run(policy.choose(eps, RoutingRequest(MODEL)))) for _ in range(10)]
+    leases = [Lease(run(policy.choose(eps, RoutingRequest(MODEL))), 0.0, 0.0) for _ in range(10)]
     assert [e.in_flight for e in eps] == [5, 5]
     eps[0].in_flight += 3  # a busier worker is avoided
     assert run(policy.choose(eps, RoutingRequest(MODEL))).url == "http://b"
     eps[0].in_flight -= 3
     for lease in leases:
-        assert lease.release() is True
-        assert lease.release() is False  # idempotent
+        assert lease.release(0.0) is True
+        assert lease.release(0.0) is False  # idempotent
     assert [e.in_flight for e in eps] == [0, 0]
 
 

@@ -106,7 +106,7 @@ def test_sync_lists_unlists_and_forgets_after_the_last_request():
         e.ready, e.models = True, {MODEL: {"id": MODEL}}
     assert endpoints.ready_for(MODEL) == [a, b]
 
-    lease = Lease(a)
+    lease = Lease(a, 0.0, 0.0)
     endpoints.sync(["http://b:8000"], [MODEL])       # a left the ready addresses
     assert endpoints.ready_for(MODEL) == [b] and endpoints.any_ready()
     assert [e.url for e in endpoints] == ["http://a:8000", "http://b:8000"]  # a drains
@@ -118,7 +118,7 @@ def test_sync_lists_unlists_and_forgets_after_the_last_request():
     assert list(endpoints)[0] is a and a.in_flight == 1          # same object, same count
     assert endpoints.ready_for(MODEL) == [b]                     # needs a poll again
     endpoints.sync(["http://b:8000"], [MODEL])
-    lease.release()
+    lease.release(0.0)
     endpoints.prune()                                            # the poller calls this
     assert [e.url for e in endpoints] == ["http://b:8000"]
 
@@ -142,7 +142,7 @@ def test_unlisted_endpoints_are_not_polled():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             await endpoints.poll(client)
             assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a", "http://b"]
-            Lease(list(endpoints)[0])
+            Lease(list(endpoints)[0], 0.0, 0.0)
             endpoints.sync(["http://b"], [MODEL])
             seen.clear()
             await endpoints.poll(client)

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import httpx
 
 from sluice.api import metrics as names
-from sluice.router.predictor import LatencyModel
+from sluice.router.predictor import DrainMeter, LatencyModel
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class Endpoint:
         next_poll: ``time.monotonic()`` of the next poll (backs off while unreachable).
         reported: the worker's last load report (headers or scrape), if any.
         latency: the online TTFT/ITL models of this endpoint (``sluice.router.predictor``).
+        drain: the observed rate at which it works off its prefill (``Lease`` feeds it).
         unanswered: requests sent here with no byte back yet (each removes itself when its
             first byte comes or it ends): what an ejection sends elsewhere.
     """
@@ -166,6 +167,7 @@ class Endpoint:
     next_poll: float = 0.0
     reported: WorkerLoad | None = None
     latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
+    drain: DrainMeter = field(default_factory=DrainMeter, repr=False, compare=False)
     unanswered: set[Unanswered] = field(default_factory=set, repr=False, compare=False)
 
     def summary(self) -> dict[str, Any]:
@@ -191,43 +193,50 @@ class Endpoint:
         report = self.report(now)
         return max(self.in_flight - self.prefilling, report.running if report else 0.0)
 
-    def kv_usage(self, now: float) -> float:
-        report = self.report(now)
-        return report.kv_usage if report else 0.0
-
 
 class Lease:
     """Counts one request against an endpoint until ``release`` (idempotent) is called.
 
     While the request has no first token it also counts as prefilling, with its
-    ``prefill_tokens``; ``first_token`` (or ``release``) ends that, once.
+    ``prefill_tokens``; ``first_token`` (or ``release``) ends that, once, and the endpoint's
+    drain meter sees each change (``now``: the router's clock, seconds).
     """
 
-    def __init__(self, endpoint: Endpoint, prefill_tokens: float = 0.0):
+    def __init__(self, endpoint: Endpoint, prefill_tokens: float, now: float):
         self.endpoint = endpoint
         self.prefill_tokens = prefill_tokens
+        endpoint.drain.advance(now, endpoint.prefilling > 0)
         endpoint.in_flight += 1
         endpoint.prefilling += 1
         endpoint.prefill_tokens += prefill_tokens
         self._held = True
         self._prefilling = True
 
-    def first_token(self) -> bool:
-        """The request's first token arrived; True if this call ended its prefill."""
+    def first_token(self, now: float) -> bool:
+        """The request's first token arrived: its prefill is drained. True if this call
+        ended its prefill."""
+        if not self._end_prefill(now):
+            return False
+        self.endpoint.drain.drained(self.prefill_tokens)
+        return True
+
+    def release(self, now: float) -> bool:
+        """Return True if this call released the lease, False if it was already released.
+        A request released with no first token drained nothing that was seen."""
+        if not self._held:
+            return False
+        self._end_prefill(now)
+        self._held = False
+        self.endpoint.in_flight -= 1
+        return True
+
+    def _end_prefill(self, now: float) -> bool:
         if not self._prefilling:
             return False
+        self.endpoint.drain.advance(now, True)
         self._prefilling = False
         self.endpoint.prefilling -= 1
         self.endpoint.prefill_tokens = max(0.0, self.endpoint.prefill_tokens - self.prefill_tokens)
-        return True
-
-    def release(self) -> bool:
-        """Return True if this call released the lease, False if it was already released."""
-        if not self._held:
-            return False
-        self.first_token()
-        self._held = False
-        self.endpoint.in_flight -= 1
         return True
 
 

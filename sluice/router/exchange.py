@@ -51,8 +51,8 @@ class Exchange:
         self.state, self.routing, self.model, self.start = state, routing, routing.model, start
         self.endpoint, self.prediction, self.charge = endpoint, prediction, charge
         self.clock = state.dispatcher.clock
-        self.lease = Lease(endpoint, prefill_tokens=prediction.features.uncached_prompt_tokens)
         self.sent_at = self.clock()
+        self.lease = Lease(endpoint, prediction.features.uncached_prompt_tokens, self.sent_at)
         self.status = 0
         self.ejected: str | None = None  # why its endpoint was ejected while it waited
         self._task: asyncio.Task | None = None  # the proxy's task while it waits
@@ -113,6 +113,7 @@ class Exchange:
         if found and int(found[-1]) <= choices(self.routing):
             self._first_token(now)
         else:
+            self.lease.first_token(now)  # (some time before now)
             self.state.dispatcher.ttft_at_most(self.endpoint, self.prediction,
                                                now - self.sent_at)
 
@@ -133,7 +134,7 @@ class Exchange:
         self.state.metrics.ttft.labels(self.model).observe(now - self.start)
         self.state.dispatcher.demand.first_token(self.model, now - self.start,
                                                  self.routing.ttft_slo_s)
-        self.lease.first_token()
+        self.lease.first_token(now)
         self.state.dispatcher.first_token(self.endpoint, self.prediction, now - self.sent_at,
                                           self.model)
 
@@ -141,7 +142,8 @@ class Exchange:
         """Release the endpoint; count the request unless ``counted`` is False (it will be
         tried elsewhere)."""
         self.answered()
-        if not self.lease.release():
+        now = self.clock()
+        if not self.lease.release(now):
             return
         self.state.metrics.in_flight.dec()
         gap = None
@@ -151,7 +153,6 @@ class Exchange:
         self.state.dispatcher.demand.finished(self.model, gap if counted else None,
                                               self.routing.itl_slo_s)
         if counted:
-            now = self.clock()
             self.state.metrics.e2e.labels(self.model).observe(now - self.start)
             self.state.metrics.requests.labels(self.model, str(self.status)).inc()
             if self.charge is not None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sluice.router.endpoints import Endpoint
-from sluice.router.predictor import LatencyModel, TTFTFeatures
+from sluice.router.predictor import PRIOR_DRAIN_TOKENS_PER_S, LatencyModel, TTFTFeatures
 from sluice.router.prefix import PrefixIndex, PromptShape
 
 logger = logging.getLogger(__name__)
@@ -280,8 +280,9 @@ def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int, now: flo
             its siblings taught, not from the prior).
     """
     cached_tokens = min(cached_blocks * shape.block_tokens, shape.tokens - 1)
-    features = TTFTFeatures(endpoint.queued_prefill_tokens(now), endpoint.running(now),
-                            max(0.0, shape.tokens - cached_tokens), endpoint.kv_usage(now))
+    features = TTFTFeatures(endpoint.queued_prefill_tokens(now),
+                            max(0.0, shape.tokens - cached_tokens),
+                            endpoint.drain.rate() or PRIOR_DRAIN_TOKENS_PER_S, endpoint.running(now))
     own = endpoint.latency
     ttft = own if fleet is None or own.ttft.updates >= MIN_OWN_UPDATES else fleet
     itl = own if fleet is None or own.itl.updates >= MIN_OWN_UPDATES else fleet

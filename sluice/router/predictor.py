@@ -1,25 +1,26 @@
 """Online latency models, one per endpoint: predicted TTFT and ITL from observed load.
 
-TTFT is modelled as linear in four features of the endpoint's state when the request is
-sent (``TTFTFeatures``), fitted by recursive least squares (RLS) with exponential
-forgetting, so the model follows a worker whose speed changes (other tenants, a different
-GPU):
+Under load a request's TTFT is mostly queueing: the prefill work sent to the endpoint
+before it must be worked off first. So TTFT is predicted from the queue's observed drain
+rate (``TTFTFeatures``, ``DrainMeter``):
 
-    ttft_s ≈ w · [1, queued_prefill_ktok, running, uncached_prompt_ktok, kv_usage]
+    wait_s  = (queued_prefill_tokens + uncached_prompt_tokens) / drain_tokens_per_s
+    ttft_s ≈ w · [1, wait_s]
 
-    queued_prefill_ktok   prompt tokens (thousands) sent there that have not yet produced a
-                          first token: prefill work ahead of this request
-    running               requests decoding there (they share every step with our prefill)
-    uncached_prompt_ktok  this prompt's tokens (thousands) the prefix index does not expect
-                          the worker to have cached
-    kv_usage              the worker's reported KV-cache usage, 0..1 (a full pool preempts
-                          and evicts prefixes)
+    queued_prefill_tokens   prompt tokens sent there with no first token yet: the work ahead
+    uncached_prompt_tokens  this prompt's tokens the prefix index does not expect cached
+    drain_tokens_per_s      the endpoint's observed drain rate: prefill tokens that got their
+                            first token per second it had prefill in flight, over the last
+                            ``DRAIN_HORIZON_S`` busy seconds (so it follows a worker whose speed
+                            changes: other tenants, the mix of decodes sharing its steps)
 
-Slopes are kept ≥ 0 (a projection after each update), so a noisy fit never makes a busier
-worker look faster. ITL uses the same RLS on [1, running].
+``w`` (the fixed overhead, and a scale ≈ 1 that absorbs a biased rate) is fitted by
+recursive least squares (RLS) with exponential forgetting; weights are kept ≥ 0 (a
+projection after each update), so a noisy fit never makes a busier worker look faster. ITL
+uses the same RLS on [1, running].
 
-State is a few small lists per endpoint (bounded by the number of endpoints), and the error
-tracker keeps a fixed-size window.
+State is a few small lists and two numbers per endpoint (bounded by the number of
+endpoints), and the error tracker keeps a fixed-size window.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
-# Where a fresh endpoint starts: 30 ms + 0.4 s per 1k queued prefill tokens + 10 ms per
-# running decode + 0.4 s per 1k uncached prompt tokens (a small model on a CPU, roughly);
-# a few dozen observations move it wherever the worker really is.
-TTFT_PRIOR = (0.03, 0.4, 0.01, 0.4, 0.0)
+# Where a fresh endpoint starts: 30 ms + the wait at its drain rate, which starts at 2,500
+# tokens/s (a small model on a CPU, roughly) until the endpoint has been busy for
+# MIN_BUSY_S; a few seconds of load move it wherever the worker really is.
+TTFT_PRIOR = (0.03, 1.0)
+PRIOR_DRAIN_TOKENS_PER_S = 2500.0
+DRAIN_HORIZON_S = 5.0  # busy seconds over which the drain rate is averaged (1/e weight)
+MIN_BUSY_S = 0.2  # busy seconds observed before the endpoint's own rate is used
 ITL_PRIOR = (0.02, 0.002)
 
 
@@ -49,15 +53,19 @@ class RLSModel:
         prior_variance: initial diagonal of the covariance P (how fast the prior is left).
         max_trace: P's trace is capped here so that a long quiet spell (no excitation)
             cannot wind the covariance up and make one outlier swing every weight.
+
+    P is updated symmetrically, and started afresh (``prior_variance`` · I) should rounding
+    on nearly collinear data make it indefinite: an indefinite P gives huge gains, and the
+    projection onto non-negative weights then kept a wild intercept for good.
     """
 
     def __init__(self, prior: Sequence[float], forgetting: float = 0.98,
                  prior_variance: float = 1.0, max_trace: float = 1e3):
         if not 0 < forgetting <= 1:
             raise ValueError("forgetting must be in (0, 1]")
-        n = len(prior)
         self.w = [float(v) for v in prior]
-        self.p = [[prior_variance if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.prior_variance = prior_variance
+        self.p = self._identity()
         self.forgetting = forgetting
         self.max_trace = max_trace
         self.updates = 0
@@ -74,7 +82,8 @@ class RLSModel:
         n, lam, p = len(self.w), self.forgetting, self.p
         px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
         denom = lam + sum(x[i] * px[i] for i in range(n))
-        if denom <= 1e-12:
+        if not denom >= lam:  # rounding made P indefinite (collinear data): start it afresh
+            self.p = self._identity()
             return
         gain = [v / denom for v in px]
         error = y - sum(w * v for w, v in zip(self.w, x))
@@ -82,7 +91,8 @@ class RLSModel:
         for i in range(1, n):  # slopes ≥ 0: more load never predicts a faster answer
             self.w[i] = max(0.0, self.w[i])
         self.w[0] = max(0.0, self.w[0])
-        new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        new_p = [[(p[i][j] - (gain[i] * px[j] + gain[j] * px[i]) / 2) / lam for j in range(n)]
+                 for i in range(n)]  # (kept symmetric)
         trace = sum(new_p[i][i] for i in range(n))
         if trace > self.max_trace:
             scale = self.max_trace / trace
@@ -90,9 +100,54 @@ class RLSModel:
         self.p = new_p
         self.updates += 1
 
+    def _identity(self) -> list[list[float]]:
+        n = len(self.w)
+        return [[self.prior_variance if i == j else 0.0 for j in range(n)] for i in range(n)]
+
     def _check(self, x: Sequence[float]) -> None:
         if len(x) != len(self.w):
             raise ValueError(f"{len(x)} features for a model of {len(self.w)}")
+
+
+class DrainMeter:
+    """How fast one endpoint works off the prefill sent to it, as the router sees it.
+
+    Busy time is time during which the endpoint had at least one request with no first
+    token yet; drained tokens are the (estimated uncached) prompt tokens of the requests
+    whose first token came. Both are averaged with exponential weights over the last
+    ``horizon_s`` busy seconds, and the rate is their ratio. A plain answer's first token is
+    not seen: its tokens count as drained when the answer arrives, so under mostly plain
+    traffic the rate errs low (predictions err high).
+
+    Args:
+        horizon_s: busy seconds after which an observation's weight is 1/e.
+    """
+
+    def __init__(self, horizon_s: float = DRAIN_HORIZON_S):
+        self.horizon_s = horizon_s
+        self.busy_s = 0.0  # weighted busy seconds
+        self.tokens = 0.0  # weighted drained tokens
+        self._at: float | None = None  # the clock at the last ``advance``, seconds
+
+    def advance(self, now: float, busy: bool) -> None:
+        """Account the time since the last call: ``busy`` when prefill was in flight all
+        along (call it before every change of the endpoint's prefilling count)."""
+        if self._at is not None and busy and now > self._at:
+            decay = math.exp(-(now - self._at) / self.horizon_s)
+            self.busy_s = self.busy_s * decay + self.horizon_s * (1.0 - decay)
+            self.tokens *= decay
+        self._at = now if self._at is None else max(self._at, now)
+
+    def drained(self, tokens: float) -> None:
+        """A request's first token came: its ``tokens`` of prefill are done."""
+        self.tokens += tokens
+
+    def rate(self) -> float | None:
+        """Tokens per busy second; None until ``MIN_BUSY_S`` busy seconds and some tokens
+        were seen."""
+        if self.busy_s < MIN_BUSY_S or self.tokens <= 0:
+            return None
+        return self.tokens / self.busy_s
 
 
 class TTFTFeatures(NamedTuple):
@@ -102,21 +157,28 @@ class TTFTFeatures(NamedTuple):
     Attributes:
         queued_prefill_tokens: prompt tokens sent there with no first token yet (the prefill
             work ahead of this request), or the worker's larger fresh report.
-        running: requests decoding there (the router's count, or a larger fresh report).
         uncached_prompt_tokens: this prompt's tokens the prefix index does not expect cached
             there (its own prefill work).
-        kv_usage: the worker's reported KV-cache usage, 0..1.
+        drain_tokens_per_s: the endpoint's observed drain rate (``DrainMeter``), or
+            ``PRIOR_DRAIN_TOKENS_PER_S`` before it has one.
+        running: requests decoding there (the router's count, or a larger fresh report); the
+            ITL model's input.
     """
 
     queued_prefill_tokens: float
-    running: float
     uncached_prompt_tokens: float
-    kv_usage: float = 0.0
+    drain_tokens_per_s: float = PRIOR_DRAIN_TOKENS_PER_S
+    running: float = 0.0
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds to work off the queue ahead and this prompt at the drain rate."""
+        return (self.queued_prefill_tokens + self.uncached_prompt_tokens) / \
+            max(self.drain_tokens_per_s, 1e-9)
 
     def regressors(self) -> tuple[float, ...]:
-        """The TTFT model's input: [1, queued ktok, running, uncached ktok, kv usage]."""
-        return (1.0, self.queued_prefill_tokens / 1000.0, float(self.running),
-                self.uncached_prompt_tokens / 1000.0, min(max(self.kv_usage, 0.0), 1.0))
+        """The TTFT model's input: [1, wait_s]."""
+        return (1.0, self.wait_s)
 
 
 def _itl_regressors(running: float) -> tuple[float, ...]:
