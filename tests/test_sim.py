@@ -202,3 +202,15 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
         2 * data["timelines"]["static:replicas=2"][-1][0] / 3600, rel=0.05)
     assert 0 < data["capacity_rps"] <= data["max_rps"]
     assert "sluice" in capsys.readouterr().out
+
+
+def test_scaling_up_while_replicas_boot_keeps_them_all():
+    """Steps of 1 → 3 → 6 replicas 10 s apart with a 30 s boot: all six boot and serve (a
+    later scale-up once stopped the replicas still booting)."""
+    trace = one_trace([float(t) for t in range(0, 120, 2)], prompt=100, output=5)
+    result = run(trace, Schedule([1, 3, 6], 10.0), initial=1, boot_s=30.0, boot_jitter=0.0)
+    assert len(result.starts) == 6
+    assert result.starts == [0.0, 10.0, 10.0, 20.0, 20.0, 20.0]
+    assert all(stop == result.end_s for stop in result.stops)
+    assert [s[1:3] for s in result.timeline if s[0] in (25.0, 45.0, 55.0)] == \
+        [(6, 1), (6, 3), (6, 6)]

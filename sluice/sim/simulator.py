@@ -259,6 +259,8 @@ class Simulator:
         for _ in range(target - active):
             self._start(now)
         surplus = active - target
+        if surplus <= 0:
+            return
         for index in sorted(self.booting, key=self.booting.get, reverse=True)[:surplus]:
             del self.booting[index]
             self._stop(index, now)
