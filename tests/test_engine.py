@@ -236,6 +236,39 @@ def test_qwen2_architecture_matches_hf():
     assert_pool_idle(engine)
 
 
+TOKENIZER_TEXTS = ["hello world", "  leading spaces", "def f(x):\n\treturn x**2\n", "日本語のテキスト",
+                   "émoji 🎉🚀", "<|im_start|>user\nhi<|im_end|>", "<|endoftext|>hi", "\n\n\n"]
+
+
+@pytest.mark.parametrize("model", ["SmolLM2-135M-Instruct", "Qwen2.5-Coder-0.5B-Instruct"])
+def test_the_engine_loads_the_tokenizer_autotokenizer_would(model):
+    """``load_tokenizer`` skips AutoTokenizer's config import (worker boot time) and must
+    still give the same ids, vocabulary, special tokens and chat template, and
+    ``load_config`` the same fields the model reads."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from sluice.models import store
+    from sluice.worker.engine.llm_engine import load_config, load_tokenizer
+
+    path = store.fetch(model)
+    ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    for text in TOKENIZER_TEXTS:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.decode(theirs.encode(text)) == theirs.decode(theirs.encode(text))
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert (ours.eos_token_id, ours.bos_token_id, ours.all_special_ids) == (
+        theirs.eos_token_id, theirs.bos_token_id, theirs.all_special_ids)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    config, reference = load_config(path), AutoConfig.from_pretrained(path)
+    for field in ("architectures", "model_type", "hidden_size", "intermediate_size",
+                  "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "rms_norm_eps", "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(config, field) == getattr(reference, field), field
+
+
 def test_prefix_cache_computes_only_the_new_tokens(model_path):
     engine = LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.25))
     shared = engine.tokenizer.encode("Here is a long shared document. " * 150)[:1000]

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
 
 from sluice.worker.engine.config import EngineConfig
 from sluice.worker.engine.detokenizer import IncrementalDetokenizer
@@ -43,12 +43,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         model_dir = Path(config.model)
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = load_config(model_dir)
         archs = getattr(hf_config, "architectures", None) or []
         if not set(archs) & set(SUPPORTED_ARCHITECTURES):
             raise ValueError(f"{model_dir}: architecture {archs} is not supported by the native "
                              f"engine (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model_name = config.served_model_name or model_dir.name
         self.max_model_len = config.max_model_len or min(hf_config.max_position_embeddings,
                                                          DEFAULT_MAX_MODEL_LEN)
@@ -294,6 +294,32 @@ def _per_sequence(items: list[tuple], failed: dict, compute) -> dict[Sequence, l
     return out
 
 
+def load_config(model_dir: Path) -> PretrainedConfig:
+    """The checkpoint's ``config.json`` as a plain ``PretrainedConfig`` (every field as an
+    attribute). Not ``AutoConfig``: that imports the architecture's config module, which
+    pulls in ``torch.distributed.tensor`` — about 1.7 s of a worker's boot for nothing.
+    Converted checkpoints (``sluice models``) write every field, so no class default is
+    missed.
+
+    Raises:
+        OSError: the folder has no readable config.json.
+    """
+    return PretrainedConfig.from_json_file(str(Path(model_dir) / "config.json"))
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
+    """The checkpoint's fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``, chat
+    template), loaded without ``AutoTokenizer``, which reads the model config through
+    ``AutoConfig`` (see ``load_config``). Same ids, vocabulary, special tokens and chat
+    template as ``AutoTokenizer`` on both catalogue models
+    (tests/test_engine.py::test_the_engine_loads_the_tokenizer_autotokenizer_would).
+
+    Raises:
+        OSError: the folder has no tokenizer files.
+    """
+    return PreTrainedTokenizerFast.from_pretrained(model_dir)
+
+
 def _eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     if (model_dir / "generation_config.json").exists():
@@ -305,10 +331,10 @@ def _eos_token_ids(model_dir: Path, tokenizer) -> set[int]:
 def _draft_runner(config: EngineConfig, tokenizer, max_model_len: int) -> ModelRunner:
     """Load the speculative draft model; it must share the target's vocabulary."""
     draft_dir = Path(config.speculative_model)
-    draft_config = AutoConfig.from_pretrained(draft_dir)
+    draft_config = load_config(draft_dir)
     if not set(getattr(draft_config, "architectures", None) or []) & set(SUPPORTED_ARCHITECTURES):
         raise ValueError(f"draft model {draft_dir}: architecture not supported by the native engine")
-    if AutoTokenizer.from_pretrained(draft_dir).get_vocab() != tokenizer.get_vocab():
+    if load_tokenizer(draft_dir).get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"draft model {draft_dir} does not share the target model's tokenizer")
     return ModelRunner(draft_config, draft_dir, max_model_len, config.block_size, config.dtype,
                        config.device, config.speculative_model_quantization)

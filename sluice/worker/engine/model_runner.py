@@ -45,8 +45,7 @@ class ModelRunner:
         self.block_size = block_size
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device("meta"):
-                model = LlamaForCausalLM(hf_config, max_model_len)
+            model = LlamaForCausalLM(hf_config, max_model_len, device="meta")
         finally:
             torch.set_default_dtype(torch.float32)
         model = model.to_empty(device=self.device)

@@ -26,9 +26,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (Zhang & Sennrich 2019)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, device=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,12 +113,13 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 device=None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias, device=device)
+        self.o_proj = Linear(self.q_size, hidden, bias=False, device=device)
         self.scale = head_dim ** -0.5
 
     def forward(self, x, positions, rotary, k_cache, v_cache, meta):
@@ -134,10 +135,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, device=None):
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False, device=device)
+        self.down_proj = Linear(intermediate, hidden, bias=False, device=device)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -145,13 +146,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, head_dim: int, bias: bool):
+    def __init__(self, config, head_dim: int, bias: bool, device=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.self_attn = Attention(config.hidden_size, config.num_attention_heads,
-                                   config.num_key_value_heads, head_dim, bias)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+                                   config.num_key_value_heads, head_dim, bias, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, device)
 
     def forward(self, x, positions, rotary, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
@@ -164,20 +165,27 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: the HF config (``transformers.AutoConfig``) of a Llama or Qwen2 checkpoint.
         max_positions: largest position the rotary tables cover (the context length).
+        device: where the parameters are created: "meta" builds the model without
+            allocating or initializing them (``to_empty``, then ``load_weights``). Passed to
+            each module rather than set with ``with torch.device(...)``, whose function mode
+            imports ``torch._dynamo`` (1-2 s of a worker's boot).
     """
 
-    def __init__(self, config, max_positions: int):
+    def __init__(self, config, max_positions: int, device=None):
         super().__init__()
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, bias)
+        # given its (uninitialized) weight: Embedding's own normal_ init imports torch._dynamo
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, device=device))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, bias, device)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.rotary = RotaryEmbedding(config, self.head_dim, max_positions)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
