@@ -137,6 +137,19 @@ def test_slo_miss_under_load_lowers_the_capacity_estimate_and_adds_a_replica():
     assert decision.attainment == pytest.approx(10 / 18)
 
 
+def test_misses_of_a_fleet_known_to_be_short_leave_the_estimate_alone():
+    """Misses while replicas are still starting, or while each ready replica carries more
+    than the estimate, are explained by the fleet's size, not by its capacity: lowering
+    the estimate then over-provisions every later burst (the simulator's code trace piled
+    replicas up to 4.6x the oracle's this way)."""
+    state = State.initial(2, CFG, now=0.0)
+    booting = Observation(5.0, arrivals=18, ttft_met=10, ttft_total=18, ready=2, starting=1)
+    assert recommend(booting, state, CFG, 5.0).capacity_rps == 2.0
+    overloaded = Observation(5.0, arrivals=30, ttft_met=10, ttft_total=30, ready=2)  # 3 rps each
+    decision = recommend(overloaded, state, CFG, 5.0)
+    assert (decision.capacity_rps, decision.replicas) == (2.0, 3)
+
+
 def test_slo_met_with_margin_under_load_raises_the_estimate():
     state = State.initial(2, CFG, now=0.0)
     obs = Observation(5.0, arrivals=17, ttft_met=17, ttft_total=17, ready=2)  # 1.7 rps each

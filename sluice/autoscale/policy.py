@@ -315,7 +315,10 @@ def _corrected_capacity(state: State, config: Config, obs: Observation, rate: fl
 
     Only load near the estimate teaches anything: a miss at low load is not a capacity
     problem (a long prompt, a cold cache), and meeting the SLO at low load says nothing
-    about the limit. A miss needs the recent (decayed) attainment and this window's own
+    about the limit. Nor does a miss of a fleet known to be short: replicas still starting,
+    or more load per ready replica than the estimate (the answer there is more replicas,
+    which the demand already asks for; lowering the estimate would over-provision every
+    later burst). A miss needs the recent (decayed) attainment and this window's own
     verdicts below target, so a burst that is over does not keep adding replicas. Steps
     scale with the window (``CAPACITY_STEP_*`` per 10 s).
     """
@@ -327,7 +330,7 @@ def _corrected_capacity(state: State, config: Config, obs: Observation, rate: fl
     missed = attainment < config.attainment_target and now_fraction is not None \
         and now_fraction < config.attainment_target
     steps = obs.window_s / CAPACITY_STEP_PERIOD_S
-    if missed and per_replica >= 0.5 * capacity:
+    if missed and 0.5 * capacity <= per_replica <= capacity and not obs.starting:
         capacity *= CAPACITY_STEP_DOWN ** steps
     elif attainment >= 1 - (1 - config.attainment_target) / 2 \
             and per_replica >= 0.8 * capacity:
