@@ -328,12 +328,12 @@ def test_a_plain_answer_teaches_the_ttft_model_only_what_it_shows():
     state = SimpleNamespace(metrics=d.metrics, dispatcher=d)
     w0 = endpoints.ready_for(MODEL)[0]
 
-    def answer(tokens: int, after_s: float) -> None:
-        r = d.routing_request({**BODY, "stream": False}, {}, arrival=now[0])
+    def answer(tokens: int, after_s: float, headers: dict | None = None) -> None:
+        r = d.routing_request({**BODY, "stream": False}, {}, arrival=now[0] - 0.5)
         endpoint, prediction = run(d.choose([w0], r))
-        exchange = Exchange(state, r, endpoint, now[0], prediction)
+        exchange = Exchange(state, r, endpoint, now[0] - 0.5, prediction)  # 0.5 s admission
         now[0] += after_s
-        exchange.on_headers(200, {})
+        exchange.on_headers(200, headers or {})
         exchange.on_body(b'{"choices": [], "usage": {"prompt_tokens": 90, "completion_tokens": '
                          b'%d, "total_tokens": %d}}' % (tokens, tokens + 90))
         exchange.on_complete()
@@ -348,4 +348,11 @@ def test_a_plain_answer_teaches_the_ttft_model_only_what_it_shows():
     assert ttfts() == 1 and w0.latency.ttft.updates == 1 and len(d.errors) == 1
     answer(16, 0.001)  # faster than predicted: the prediction was too high
     assert ttfts() == 1 and w0.latency.ttft.updates == 2 and len(d.errors) == 1
+    # a Sluice worker says when its first output came: an exact TTFT from the send
+    answer(16, 3.0, {"x-sluice-ttft-ms": "250.0"})
+    assert ttfts() == 2 and w0.latency.ttft.updates == 3 and len(d.errors) == 2
+    assert d.metrics.registry.get_sample_value(names.ROUTER_TTFT + "_sum", {"model": MODEL}) \
+        == pytest.approx(0.75 + 0.75)  # each: 0.5 s from arrival to send, then 0.25 s
+    answer(16, 3.0, {"x-sluice-ttft-ms": "nan"})  # unreadable: back to the usage rule
+    assert ttfts() == 2
     assert w0.in_flight == 0 and w0.prefilling == 0

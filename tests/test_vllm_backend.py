@@ -181,7 +181,7 @@ def test_metrics_each_name_once_and_load_headers(vllm_url):
         "model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200
     assert {"x-sluice-num-running", "x-sluice-num-waiting",
-            "x-sluice-kv-cache-usage"} <= set(r.headers)
+            "x-sluice-kv-cache-usage", "x-sluice-ttft-ms"} <= set(r.headers)
     text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
     types = Counter(line.split()[2] for line in text.splitlines() if line.startswith("# TYPE"))
     assert types and max(types.values()) == 1, types

@@ -102,6 +102,20 @@ def test_completion_shape_and_usage(worker_url):
                              "total_tokens": prompt_tokens + 5}
 
 
+def test_a_plain_answer_reports_its_ttft_to_the_router(worker_url):
+    """``x-sluice-ttft-ms``: the first output's time since arrival, within the request's
+    own time (the router cannot see the first token of a body that comes whole)."""
+    started = time.monotonic()
+    r = httpx.post(f"{worker_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": ABC, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+    elapsed_ms = (time.monotonic() - started) * 1000
+    assert r.status_code == 200
+    assert 0 < float(r.headers["x-sluice-ttft-ms"]) < elapsed_ms / 2  # 1 step of 24
+    stream = httpx.post(f"{worker_url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": ABC, "max_tokens": 2, "stream": True})
+    assert "x-sluice-ttft-ms" not in stream.headers  # a stream shows its first token itself
+
+
 # --------------------------------------------------------------------------- streaming
 
 

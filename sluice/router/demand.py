@@ -31,9 +31,9 @@ class ModelDemand:
     Attributes:
         arrivals: requests that reached admission.
         rejected: of those, refused (429 from admission, 503 after a hold timeout).
-        ttft_met / ttft_total: streamed requests whose TTFT (from arrival, queueing and
-            holding included) met their objective / all that had a first token and an
-            objective.
+        ttft_met / ttft_total: requests whose TTFT (from arrival, queueing and holding
+            included) met their objective / all with a first token the router saw (see
+            ``sluice.router.exchange``) and an objective.
         itl_met / itl_total: streamed requests whose mean inter-token gap met their ITL
             objective / all with gaps and an objective.
         held: requests waiting now for a replica to become ready.

@@ -49,6 +49,7 @@ HEADER_RUNNING = "x-sluice-num-running"
 HEADER_WAITING = "x-sluice-num-waiting"
 HEADER_KV_USAGE = "x-sluice-kv-cache-usage"
 HEADER_QUEUED_PREFILL = "x-sluice-queued-prefill-tokens"
+HEADER_TTFT_MS = "x-sluice-ttft-ms"  # a plain answer's TTFT at the worker (ms since its arrival)
 DRAINING = "draining"  # the worker's /health status while it finishes its requests
 
 

@@ -16,7 +16,7 @@ import asyncio
 import re
 from typing import TYPE_CHECKING, Any
 
-from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
+from sluice.router.endpoints import HEADER_TTFT_MS, Endpoint, Lease, WorkerLoad
 from sluice.router.policy import Prediction, RoutingRequest
 from sluice.router.limits import Charge, usage_in
 
@@ -32,9 +32,11 @@ class Exchange:
 
     The first token is a stream's first chunk (a worker sends nothing before its first
     token; a chat stream's role events come with it, as vLLM sends them). A plain answer
-    arrives whole, and the worker reports no first-token time (only the load headers and
-    the usage): when its usage shows one token per choice, the first token was the last,
-    so its arrival is an exact TTFT; otherwise the arrival only bounds the TTFT from above
+    arrives whole: a Sluice worker reports its first output's time in ``x-sluice-ttft-ms``
+    (from the worker's receipt), so the first token came that long after the request was
+    sent (the network's share is left out). Without that header (another server): when its
+    usage shows one token per choice, the first token was the last, so its arrival is an
+    exact TTFT; otherwise the arrival only bounds the TTFT from above
     (``Dispatcher.ttft_at_most``), and the router records no TTFT for it.
 
     Args:
@@ -60,6 +62,7 @@ class Exchange:
         self._events = 0
         self._usage: int | None = None
         self._first_token_at: float | None = None
+        self._worker_ttft_s: float | None = None
         self._last_chunk: float | None = None
         self._gaps = 0
         state.metrics.in_flight.inc()
@@ -98,6 +101,7 @@ class Exchange:
 
     def on_headers(self, status: int, headers: Any) -> None:
         self.status = status
+        self._worker_ttft_s = _seconds(headers.get(HEADER_TTFT_MS))
         report = WorkerLoad.from_headers(headers, self.clock())
         if report is not None:
             self.endpoint.reported = report
@@ -110,7 +114,9 @@ class Exchange:
         if self.status >= 400:
             return
         found = _COMPLETION_TOKENS.findall(body)
-        if found and int(found[-1]) <= choices(self.routing):
+        if self._worker_ttft_s is not None:
+            self._first_token(min(now, self.sent_at + self._worker_ttft_s))
+        elif found and int(found[-1]) <= choices(self.routing):
             self._first_token(now)
         else:
             self.lease.first_token(now)  # (some time before now)
@@ -170,6 +176,15 @@ class Exchange:
             tokens = max(0, self._events - self._role_events - 1)
             return self.charge.prompt_tokens + tokens if self.charge is not None else None
         return None
+
+
+def _seconds(ms: str | None) -> float | None:
+    """A header's milliseconds as seconds; None when absent or not a finite number ≥ 0."""
+    try:
+        value = float(ms) / 1000.0 if ms is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0.0 <= value < float("inf") else None
 
 
 def choices(routing: RoutingRequest) -> int:

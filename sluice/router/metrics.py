@@ -31,8 +31,9 @@ class RouterMetrics:
                                 ["model", "status"], registry=reg)
         self.ttft = Histogram(names.ROUTER_TTFT, "Seconds from request arrival (queueing "
                               "included) to the first token from the worker: a stream's first "
-                              "chunk, or a plain answer of one token per choice (a longer "
-                              "plain answer's first token is not seen), by model.", ["model"],
+                              "chunk, a plain answer's x-sluice-ttft-ms (a Sluice worker's), "
+                              "or a plain answer of one token per choice (another server's "
+                              "longer plain answer's first token is not seen), by model.", ["model"],
                               buckets=names.TTFT_BUCKETS, registry=reg)
         self.itl = Histogram(names.ROUTER_ITL, "Seconds between streamed chunks from the worker, "
                              "by model.", ["model"], buckets=names.ITL_BUCKETS, registry=reg)
@@ -95,8 +96,8 @@ class DemandCollector:
                                  "of their model is ready (scale from zero).", labels=["model"])
         requests = CounterMetricFamily(names.ROUTER_SLO_REQUESTS, "Requests with an objective "
                                        "whose first token the router saw (streams; plain answers "
-                                       "of one token per choice), by model and objective (ttft, "
-                                       "itl).",
+                                       "with x-sluice-ttft-ms or of one token per choice), by "
+                                       "model and objective (ttft, itl).",
                                        labels=["model", "objective"])
         met = CounterMetricFamily(names.ROUTER_SLO_MET, "Of those, the ones that met it.",
                                   labels=["model", "objective"])

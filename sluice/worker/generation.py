@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
@@ -304,11 +305,17 @@ async def _outputs(metrics: WorkerMetrics, watch: EngineWatch, engine: Engine,
             timer.close()
 
 
-async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper) -> dict:
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper
+                   ) -> tuple[dict, float | None]:
+    """The whole response body, and ``time.monotonic()`` of the first output (None when
+    there was none)."""
+    first_at = None
     async with aclosing(outputs) as stream:
         async for index, out in stream:
+            if first_at is None:
+                first_at = time.monotonic()
             shaper.on_output(index, out)
-    return shaper.response()
+    return shaper.response(), first_at
 
 
 async def _sse(first: tuple[int, RequestOutput] | None,
@@ -406,7 +413,9 @@ async def generate_response(request: Request, metrics: WorkerMetrics, engine: En
                             watch: EngineWatch | None = None) -> Response:
     """Run validated choices and answer as SSE or as one JSON response.
 
-    Every response carries the ``x-sluice-*`` load headers. A stream starts (headers and
+    Every response carries the ``x-sluice-*`` load headers; a plain one also
+    ``x-sluice-ttft-ms``, its first output's time since ``arrival`` (the router cannot see
+    it in a body that comes whole). A stream starts (headers and
     first bytes) with the engine's first output; it reports a later engine error in-band (an
     SSE error event, then [DONE]). An engine error before that is an HTTP error: 503
     ``engine_dead`` when the engine died, else 500 ``engine_error``. A client that leaves
@@ -446,7 +455,10 @@ async def generate_response(request: Request, metrics: WorkerMetrics, engine: En
         return _ClosingStreamingResponse(_sse(result, outputs, shaper, include_usage),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", **headers})
-    return JSONResponse(result, headers=headers)
+    body, first_at = result
+    if first_at is not None:
+        headers["x-sluice-ttft-ms"] = f"{(first_at - arrival) * 1000:.1f}"
+    return JSONResponse(body, headers=headers)
 
 
 async def _first(outputs: AsyncIterator[tuple[int, RequestOutput]]
