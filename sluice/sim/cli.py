@@ -50,10 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="objective on a request's mean inter-token gap (0: none)")
     parser.add_argument("--attainment", type=float, default=99.0,
                         help="percent of requests that must meet the SLO (sizing target)")
-    parser.add_argument("--routing", default="least-load",
-                        help="least-load (default) | slo | round-robin; slo is the router's "
-                        "default, but its online TTFT model (RLS) diverges within minutes of "
-                        "a trace here (bench/results/sim_rls_divergence.json replays it)")
+    parser.add_argument("--routing", default="slo",
+                        help="slo (default, as in the router) | least-load | round-robin; "
+                        "least-load is about 4x faster to simulate. (The slo policy's former "
+                        "five-feature TTFT model diverged here: "
+                        "bench/results/sim_rls_divergence.json; its drain-rate model does not)")
     parser.add_argument("--candidates", type=int, default=4,
                         help="endpoints sampled per request (power of d; 0: all)")
     parser.add_argument("--hold-s", type=float, default=120.0,
