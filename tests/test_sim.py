@@ -214,3 +214,22 @@ def test_scaling_up_while_replicas_boot_keeps_them_all():
     assert all(stop == result.end_s for stop in result.stops)
     assert [s[1:3] for s in result.timeline if s[0] in (25.0, 45.0, 55.0)] == \
         [(6, 1), (6, 3), (6, 6)]
+
+
+def test_the_readme_simulate_command(tmp_path, monkeypatch, capsys):
+    """README's `sluice simulate` command, as written (its output goes to a temporary
+    folder): the oracle and both policies run on the committed synthetic profile."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    line = re.search(r"`(sluice simulate --trace [^`]*)`", (root / "README.md").read_text())
+    argv = shlex.split(line.group(1))[1:]
+    monkeypatch.chdir(root)
+    argv[argv.index("--output") + 1] = str(tmp_path / "sim.json")
+    assert main(argv + ["--no-progress"]) == 0
+    data = json.loads((tmp_path / "sim.json").read_text())
+    assert [r["policy"] for r in data["policies"]] == ["oracle", "sluice:cap=1",
+                                                       "static:replicas=2"]
+    assert data["requests"] == 200 and "oracle" in capsys.readouterr().out
