@@ -226,10 +226,10 @@ def test_a_full_batch_of_one_requests_long_generations_makes_room_for_a_newcomer
 
 
 def test_one_requests_prompts_are_prefilled_like_one_long_prompt():
-    """Alone, a request of many short prompts fills the token budget; while other requests
-    have work it gets an equal share of long_prefill_token_threshold (32 here: 16 with one
+    """Alone, a request of many short prompts prefills long_prefill_token_threshold tokens a
+    step (32 here); while other requests have work it gets an equal share of it (16 with one
     other request), as if its prompts were one long prompt, so the steps a small request
-    decodes in stay short. A short prompt is never split for it, and a request of one
+    waits for and decodes in stay short. A short prompt is never split for it, and a request of one
     sequence keeps its whole chunk."""
     s = scheduler(num_blocks=512, max_num_seqs=32, budget=64)
     assert s.long_prefill_token_threshold == 32
@@ -237,7 +237,7 @@ def test_one_requests_prompts_are_prefilled_like_one_long_prompt():
     for i in range(200):
         s.add(seq(f"big-{i}", "big", prompt_len=5, max_tokens=1))
     scheduled = s.schedule()
-    assert sum(n for _, n in scheduled) == 64  # the whole budget (the 13th prompt in part)
+    assert sum(n for _, n in scheduled) == 30  # one chunk: 6 whole prompts, not the budget
     advance(s, scheduled, rng)
     small = seq("small", prompt_len=5, max_tokens=4)
     s.add(small)
@@ -251,17 +251,6 @@ def test_one_requests_prompts_are_prefilled_like_one_long_prompt():
     scheduled = s.schedule()
     assert dict((r.request_id, n) for r, n in scheduled)["long"] == 32  # its whole chunk
     assert sum(n for r, n in scheduled if r.group == "big") <= 16
-
-
-def test_a_fan_out_step_alone_is_two_chunks_not_the_whole_budget():
-    """The step a newcomer waits for is bounded: alone, a request of many prompts prefills
-    FAN_OUT_ALONE_CHUNKS (2) chunk thresholds a step, not the budget (2,048 by default)."""
-    config = EngineConfig(model="unused", block_size=4, max_num_seqs=64,
-                          max_num_batched_tokens=512, long_prefill_token_threshold=32)
-    s = Scheduler(config, num_blocks=1024)
-    for i in range(200):
-        s.add(seq(f"big-{i}", "big", prompt_len=5, max_tokens=1))
-    assert sum(n for _, n in s.schedule()) == 60  # 12 whole prompts; the 13th would pass 64
 
 
 def test_prefix_cache_counts_each_admitted_prompt_once():

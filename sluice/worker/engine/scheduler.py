@@ -25,9 +25,12 @@ sequences that shares the engine with other requests is prefilled like one long 
 step, ``long_prefill_token_threshold`` tokens shared equally between the requests that have
 work (its first chunk of a step is never cut, so it always progresses), so the steps it
 shares with others stay short (each step is every running request's inter-token latency).
-Alone, it gets ``FAN_OUT_ALONE_CHUNKS`` chunks a step (2,000 prompts x n 8: about 36
-prompts a step), so a newcomer first waits for one such step. Requests of one sequence keep
-their chunk as before.
+Alone, it gets one chunk a step (2,000 prompts x n 8: about 18 prompts a step), so a
+newcomer first waits for at most one chunk's step. The price is the lone request's own
+speed: a fan-out alone runs 21 % fewer tokens a second than with two chunks a step, and the
+n copies of one long prompt (n > 1) prefill one chunk a step between them (sharing the
+prompt's KV between siblings, as vLLM does, would remove that). Requests of one sequence
+keep their chunk as before.
 Round-robin alone
 only helps once slots free up; when the batch is full (``max_num_seqs``) or the pool too
 short for a waiting group that has nothing running, the most recently admitted sequence of
@@ -51,12 +54,6 @@ from sluice.worker.engine.fair_queue import FairQueue
 from sluice.worker.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-# Chunk thresholds a request of several sequences may prefill in a step it has to itself: a
-# newcomer waits for at most one such step. On a CPU a step's time grows with its tokens
-# from about one chunk on (bench/fan_out.py: 384-token steps made a 5-token request wait
-# over 1 s), so two chunks keep most of the fan-out throughput and bound that wait.
-FAN_OUT_ALONE_CHUNKS = 2
 
 
 class Scheduler:
@@ -176,14 +173,14 @@ class Scheduler:
         return scheduled
 
     def _fan_out_share(self) -> int:
-        """Prefill tokens per step for a request of several sequences: ``FAN_OUT_ALONE_CHUNKS``
-        chunk thresholds when it is the only request with work; else the chunk threshold
-        shared equally between the requests that have work (at least 1). O(max_num_seqs)."""
+        """Prefill tokens per step for a request of several sequences: the chunk threshold,
+        shared equally between the requests that have work (at least 1), so it runs like one
+        long prompt — alone too: on a CPU a step's time grows with its tokens past a chunk
+        (a 255-token step took 0.9 s, a 61-token one 0.34 s; bench/fan_out.py), so bigger
+        steps alone buy little throughput and make a newcomer wait. O(max_num_seqs)."""
         running_only = sum(1 for g in self._running_of if not self.waiting.has_group(g))
         active = running_only + self.waiting.num_groups
-        if active <= 1:
-            return FAN_OUT_ALONE_CHUNKS * self.long_prefill_token_threshold
-        return max(1, self.long_prefill_token_threshold // active)
+        return max(1, self.long_prefill_token_threshold // max(1, active))
 
     def _prefill_cap(self, group: str, share: int) -> int:
         """The prefill tokens ``group`` may run in a step: a request of one sequence, its
