@@ -42,11 +42,11 @@ from sluice.sim.replica import EngineLimits  # noqa: E402
 from sluice.sim.report import percentile  # noqa: E402
 from sluice.sim.simulator import SimConfig, Simulator  # noqa: E402
 from sluice.sim.trace import Trace  # noqa: E402
+from sluice.worker.engine.config import EngineConfig  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "smollm2.yaml"
 PROFILE = ROOT / "sluice" / "sim" / "profiles" / "SmolLM2-135M-Instruct.json"
 TARGET = 0.15
-KV_BYTES_PER_TOKEN = 0.5 * 2**30 / 11648  # the profile's pool: 0.5 GiB holds 11,648 tokens
 
 
 def figures(ttft_s: list[float], e2e_s: list[float]) -> dict:
@@ -60,7 +60,9 @@ def simulate(arrivals: list[float], prompts: list[int], outputs: list[int], spec
     """The simulator's figures for these requests on the manifest's two replicas."""
     native = spec["engine"]["native"]
     model = profiles.load(PROFILE)
-    kv_tokens = int(native["kvCacheGiB"] * 2**30 / KV_BYTES_PER_TOKEN)
+    # the profile's pool is the worker default's (EngineConfig.kv_cache_gib); scale it
+    default_gib = EngineConfig.__dataclass_fields__["kv_cache_gib"].default
+    kv_tokens = int(model.kv_capacity_tokens * native["kvCacheGiB"] / default_gib)
     model = dataclasses.replace(model, kv_capacity_tokens=kv_tokens)
     limits = EngineLimits(max_num_seqs=native["maxNumSeqs"])
     trace = Trace(arrivals, prompts, outputs, [()] * len(arrivals))
