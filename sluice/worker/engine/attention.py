@@ -8,17 +8,32 @@ Layout of one layer's cache (vLLM/nano-vllm style)::
     block_table of a sequence:  [b7, b2, b9]  → token t lives in block b[t // bs], offset t % bs
 
 Each step first writes the new tokens' K/V to their slots (``slot_mapping``), then attends:
-decode sequences (one query token) in one batched SDPA over their gathered blocks with a
-length mask; prefill chunks one sequence at a time, causally, over their cached prefix plus
-the chunk. GQA is handled by SDPA's ``enable_gqa``.
+decode sequences (one query token) in one call; prefill chunks one sequence at a time,
+causally, over their cached prefix plus the chunk. GQA is handled by SDPA's ``enable_gqa``.
+
+Decode on CPU runs a C++ kernel (``csrc/paged_decode.cpp``, vLLM paged attention v1 with
+FlashDecoding's online softmax) that reads the blocks in place. It is compiled with
+``torch.utils.cpp_extension`` on first use and cached in the torch extensions folder
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Elsewhere (CUDA), when
+``SLUICE_NATIVE_KERNELS=0``, or when the build fails (logged once), decode is one batched
+SDPA over the gathered blocks with a length mask.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_PAGED_DECODE_SRC = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 
 
 @dataclass
@@ -28,8 +43,10 @@ class AttentionMetadata:
     Attributes:
         slot_mapping: [T] int64, cache slot of each new token.
         decode_token_idx: [B] int64, positions in the flat batch of the decode tokens.
-        decode_block_tables: [B, max_blocks] int64, padded with 0 (masked by length).
-        decode_mask: [B, 1, 1, max_blocks * block_size] bool, True where a key is valid.
+        decode_block_tables: [B, max_blocks] int64, padded with 0 past each context.
+        decode_context_lens: [B] int64, tokens each decode token attends over (itself included).
+        decode_mask: [B, 1, 1, max_blocks * block_size] bool, True where a key is valid; None
+            when the native kernel decodes (it reads ``decode_context_lens``).
         prefills: per prefill chunk (start in the flat batch, query length, context
             length incl. the chunk, block table [num_blocks] int64).
     """
@@ -37,6 +54,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     decode_token_idx: torch.Tensor | None
     decode_block_tables: torch.Tensor | None
+    decode_context_lens: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[tuple[int, int, int, torch.Tensor]]
 
@@ -65,7 +83,6 @@ def paged_attention(
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
 
     # SDPA gets 4-D [1, H, L, D] inputs: on CPU, 3-D ones fall back to the math kernel
     # (3-6x slower on long prefills, and it materialises the whole score matrix)
@@ -85,13 +102,63 @@ def paged_attention(
         out[start:start + q_len] = o[0].transpose(0, 1)
 
     if meta.decode_token_idx is not None:
-        tables = meta.decode_block_tables
-        batch = tables.shape[0]
-        max_len = tables.shape[1] * block_size
-        ks = k_cache[tables].view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        vs = v_cache[tables].view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
-        qs = q[meta.decode_token_idx].unsqueeze(2)  # [B, H_q, 1, D]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=True)
-        out[meta.decode_token_idx] = o.squeeze(2)
+        out[meta.decode_token_idx] = decode_attention(q[meta.decode_token_idx], k_cache, v_cache, meta, scale)
     return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query token per sequence over its cached context: the native kernel when
+    ``native_paged_decode`` has one for this device, else gather + SDPA.
+
+    Args:
+        q: [B, H_q, D], the decode tokens in the order of ``meta.decode_block_tables``.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D], already holding these tokens.
+
+    Returns:
+        [B, H_q, D].
+    """
+    kernel = native_paged_decode(q.device)
+    if kernel is not None:
+        return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    return sdpa_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+
+
+def sdpa_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference (and CUDA) decode: gather every sequence's blocks, padded to the longest
+    table, and run SDPA with a length mask. Shapes as ``decode_attention``; ``tables``
+    [B, max_blocks], ``mask`` [B, 1, 1, max_blocks * block_size] bool."""
+    batch, max_len = tables.shape[0], tables.shape[1] * k_cache.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    ks = k_cache[tables].view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    vs = v_cache[tables].view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(2)
+
+
+def native_paged_decode(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The compiled ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)``
+    op for tensors on ``device``, or None: not a CPU device, ``SLUICE_NATIVE_KERNELS=0``, or
+    the build failed."""
+    return _load_paged_decode() if device.type == "cpu" else None
+
+
+@functools.cache
+def _load_paged_decode() -> Callable[..., torch.Tensor] | None:
+    if os.environ.get("SLUICE_NATIVE_KERNELS", "1") == "0":
+        logger.info("SLUICE_NATIVE_KERNELS=0: decode attention uses gather + SDPA")
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name="sluice_paged_decode", sources=[str(_PAGED_DECODE_SRC)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception as err:  # no compiler, headers or ninja: serve on the slower path
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [""]
+        detail = next((line for line in lines[1:] if "error" in line.lower()), "")
+        logger.warning("native paged decode kernel unavailable, decode attention uses gather + SDPA: "
+                       "%s: %s %s", type(err).__name__, lines[0][:200], detail[:200])
+        return None
+    return torch.ops.sluice.paged_decode

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from sluice.worker.engine.attention import AttentionMetadata
+from sluice.worker.engine.attention import AttentionMetadata, native_paged_decode
 from sluice.worker.engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.block_size = block_size
+        # compiled here on first use, before the worker reports ready; without it decode
+        # attention needs the padded length mask
+        self.decode_needs_mask = native_paged_decode(self.device) is None
         torch.set_default_dtype(self.dtype)
         try:
             model = LlamaForCausalLM(hf_config, max_model_len, device="meta")
@@ -117,13 +120,15 @@ class ModelRunner:
             else:
                 prefills.append((start, n, c + n, table[:-(-(c + n) // bs)].to(dev)))
             start += n
-        decode_token_idx = decode_block_tables = decode_mask = None
+        decode_token_idx = decode_block_tables = decode_lens_t = decode_mask = None
         if decode_idx:
             decode_token_idx = torch.tensor(decode_idx, device=dev)
             decode_block_tables = torch.nn.utils.rnn.pad_sequence(decode_tables, batch_first=True).to(dev)
-            max_len = decode_block_tables.shape[1] * bs
-            lens = torch.tensor(decode_lens)
-            decode_mask = (torch.arange(max_len) < lens.unsqueeze(1)).view(len(lens), 1, 1, max_len).to(dev)
+            decode_lens_t = torch.tensor(decode_lens, device=dev)
+            if self.decode_needs_mask:
+                max_len = decode_block_tables.shape[1] * bs
+                decode_mask = (torch.arange(max_len, device=dev) < decode_lens_t.unsqueeze(1)).view(
+                    len(decode_lens), 1, 1, max_len)
         meta = AttentionMetadata(torch.cat(slots).to(dev), decode_token_idx, decode_block_tables,
-                                 decode_mask, prefills)
+                                 decode_lens_t, decode_mask, prefills)
         return torch.cat(ids).to(dev), torch.cat(pos).to(dev), meta

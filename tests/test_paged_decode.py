@@ -1,0 +1,105 @@
+"""The native paged decode kernel (csrc/paged_decode.cpp) against the gather + SDPA
+reference, and the fallback when it is disabled or cannot be built.
+
+Tolerances (|got - want| <= atol + rtol * |want|, outputs of magnitude up to ~4): fp32
+atol = rtol = 1e-5; bf16 atol = rtol = 1e-2, about one bf16 ulp (both round their output to
+bf16, SDPA some intermediates too).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from sluice.worker.engine import attention
+from sluice.worker.engine.attention import AttentionMetadata, decode_attention, sdpa_decode
+
+BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 16, 64, 1024
+LENS = [1, BLOCK_SIZE, BLOCK_SIZE + 1, 300]  # one token, a full block, one past it, long
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # atol = rtol
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = attention.native_paged_decode(torch.device("cpu"))
+    if op is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler: the native kernel cannot be built here")
+    assert op is not None, "the native paged decode kernel failed to build (see the warning)"
+    return op
+
+
+def decode_batch(lens: list[int], heads_q: int, heads_kv: int, dtype: torch.dtype, seed: int = 0):
+    """Random q and caches, and block tables drawn without replacement from the pool, padded
+    with 0 past each context like ModelRunner's. Returns (q, k_cache, v_cache, tables, lens, mask)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(lens), heads_q, HEAD_DIM, generator=gen).to(dtype)
+    shape = (NUM_BLOCKS, BLOCK_SIZE, heads_kv, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    max_blocks = -(-max(lens) // BLOCK_SIZE)
+    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    for b, n in enumerate(lens):
+        for i in range(-(-n // BLOCK_SIZE)):
+            tables[b, i] = free.pop()
+    context_lens = torch.tensor(lens)
+    max_len = max_blocks * BLOCK_SIZE
+    mask = (torch.arange(max_len) < context_lens.unsqueeze(1)).view(len(lens), 1, 1, max_len)
+    return q, k_cache, v_cache, tables, context_lens, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_kernel_matches_sdpa(kernel, dtype, group, batch):
+    heads_kv = 3
+    cases = [[n] for n in LENS] if batch == 1 else [[LENS[i % 4] + (i // 4) * 7 for i in range(batch)]]
+    for lens in cases:
+        q, k_cache, v_cache, tables, context_lens, mask = decode_batch(lens, heads_kv * group, heads_kv, dtype)
+        scale = HEAD_DIM ** -0.5
+        got = kernel(q, k_cache, v_cache, tables, context_lens, scale)
+        want = sdpa_decode(q, k_cache, v_cache, tables, mask, scale)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"lens {lens}: {m}")
+
+
+def test_kernel_takes_int32_tables_and_rejects_bad_ones(kernel):
+    q, k_cache, v_cache, tables, context_lens, mask = decode_batch([5, 40], 3, 3, torch.float32)
+    want = sdpa_decode(q, k_cache, v_cache, tables, mask, 0.125)
+    got = kernel(q, k_cache, v_cache, tables.int(), context_lens.int(), 0.125)
+    assert torch.allclose(got, want, atol=1e-5)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernel(q, k_cache, v_cache, tables + NUM_BLOCKS, context_lens, 0.125)
+    with pytest.raises(RuntimeError, match="context length out of range"):
+        kernel(q, k_cache, v_cache, tables, context_lens * 10, 0.125)
+
+
+def test_decode_attention_uses_the_kernel_on_cpu_and_sdpa_without_it(kernel, monkeypatch):
+    q, k_cache, v_cache, tables, context_lens, mask = decode_batch([1, 17, 300], 9, 3, torch.float32)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), torch.arange(3), tables, context_lens,
+                             None, [])
+    native = decode_attention(q, k_cache, v_cache, meta, 0.125)  # no mask: only the kernel can run
+    monkeypatch.setattr(attention, "native_paged_decode", lambda device: None)
+    meta.decode_mask = mask
+    fallback = decode_attention(q, k_cache, v_cache, meta, 0.125)
+    assert torch.allclose(native, fallback, atol=1e-5)
+
+
+def test_switch_off_and_failed_build_fall_back(monkeypatch, caplog):
+    load = attention._load_paged_decode.__wrapped__  # the uncached loader
+    monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
+    assert load() is None
+
+    def no_compiler(**_):
+        raise RuntimeError("Error building extension 'sluice_paged_decode'\n[1/2] c++ ...\n"
+                           "fatal error: torch/library.h: No such file or directory")
+
+    monkeypatch.delenv("SLUICE_NATIVE_KERNELS")
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        assert load() is None
+    [record] = caplog.records
+    assert "gather + SDPA" in record.message and "torch/library.h" in record.message
