@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from sluice.autoscale.policy import Config, Observation, State, recommend
@@ -211,3 +213,20 @@ def test_one_request_in_a_short_window_is_not_a_rate():
     sustained = [Observation(2.0, arrivals=2, ready=1)] * 4  # 1 req/s for 8 s
     decisions = run(config, State.initial(1, config, 0.0), [*quiet, *sustained], step=2.0)
     assert decisions[-1].replicas == 2
+
+
+def test_a_burst_without_a_queue_scales_within_one_tick():
+    """Arrivals jump from 0.3 to 3 req/s and the workers take them all (nothing queues at
+    the router): the level rises with LEVEL_UP_TAU_S, so one 2 s window asks for 2 replicas
+    (with the 20 s decay time constant it took ~10 s, a whole boot, in bench/autoscale.py),
+    while the level falls back slowly once the burst is over."""
+    config = Config(min_replicas=1, max_replicas=4, capacity_rps=1.0, boot_s=8.0,
+                    scale_down_window_s=30.0)
+    calm = [Observation(10.0, arrivals=3, ready=1)] * 6  # 0.3 req/s for a minute
+    state = run(config, State.initial(1, config, 0.0), calm, step=10.0)[-1].state
+    burst = recommend(Observation(2.0, arrivals=6, in_flight=6, ready=1), state, config, 62.0)
+    assert (burst.replicas, burst.reason) == (2, "forecast")  # the level is rising
+    assert burst.state.level_rps == pytest.approx(0.3 + (1 - math.exp(-2 / 4)) * 2.7)
+    after = recommend(Observation(2.0, ready=2), burst.state, config, 64.0)
+    assert after.state.level_rps == pytest.approx(burst.state.level_rps * math.exp(-2 / 20),
+                                                  rel=0.05)

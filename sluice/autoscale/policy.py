@@ -214,8 +214,12 @@ class Decision:
     details: dict[str, float] = field(default_factory=dict)
 
 
-# Holt's smoothing time constants (s): the level follows within ~tens of seconds, the
-# trend more slowly so one noisy window does not make a forecast.
+# Holt's smoothing time constants (s), asymmetric like an envelope follower: the level
+# rises within seconds (a burst must start replicas before their boot time is spent, and
+# workers that take every request leave no queue to see it by), falls over ~tens of
+# seconds (a lull inside a burst is not the end of it); the trend moves more slowly still,
+# so one noisy window does not make a forecast.
+LEVEL_UP_TAU_S = 4.0
 LEVEL_TAU_S = 20.0
 TREND_TAU_S = 60.0
 ATTAINMENT_TAU_S = 30.0  # SLO verdicts older than this count less and less
@@ -289,12 +293,13 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
 
 
 def _holt(state: State, rate: float, dt: float) -> tuple[float, float]:
-    """Holt's linear smoothing of the arrival rate (level, trend), time-aware."""
+    """Holt's linear smoothing of the arrival rate (level, trend), time-aware; the level
+    rises with ``LEVEL_UP_TAU_S`` and falls with ``LEVEL_TAU_S``."""
     if state.last_time is None and state.level_rps == 0.0:
         return rate, 0.0
-    a = 1.0 - math.exp(-dt / LEVEL_TAU_S)
-    b = 1.0 - math.exp(-dt / TREND_TAU_S)
     predicted = state.level_rps + state.trend_rps_per_s * dt
+    a = 1.0 - math.exp(-dt / (LEVEL_UP_TAU_S if rate > predicted else LEVEL_TAU_S))
+    b = 1.0 - math.exp(-dt / TREND_TAU_S)
     level = max(0.0, predicted + a * (rate - predicted))
     trend = state.trend_rps_per_s + b * ((level - state.level_rps) / dt - state.trend_rps_per_s)
     return level, trend
