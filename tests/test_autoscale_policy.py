@@ -230,3 +230,15 @@ def test_a_burst_without_a_queue_scales_within_one_tick():
     after = recommend(Observation(2.0, ready=2), burst.state, config, 64.0)
     assert after.state.level_rps == pytest.approx(burst.state.level_rps * math.exp(-2 / 20),
                                                   rel=0.05)
+
+
+def test_poisson_noise_is_not_a_burst():
+    """0.75 req/s arriving as 0, 3, 0, 3... per 2 s window: the level stays at the rate and
+    one replica (capacity 1 req/s) suffices. Rising fast on every window above the level
+    (an envelope follower) would settle near 1.2 req/s, the noise's peaks, and hold 2."""
+    config = Config(min_replicas=1, max_replicas=4, capacity_rps=1.0, boot_s=8.0,
+                    scale_down_window_s=30.0)
+    script = [Observation(2.0, arrivals=n, ready=1) for n in (0, 3) * 60]
+    decisions = run(config, State.initial(1, config, 0.0), script, step=2.0)
+    assert {d.replicas for d in decisions} == {1}
+    assert decisions[-1].state.level_rps == pytest.approx(0.75, abs=0.12)

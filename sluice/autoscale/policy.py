@@ -214,13 +214,16 @@ class Decision:
     details: dict[str, float] = field(default_factory=dict)
 
 
-# Holt's smoothing time constants (s), asymmetric like an envelope follower: the level
-# rises within seconds (a burst must start replicas before their boot time is spent, and
-# workers that take every request leave no queue to see it by), falls over ~tens of
-# seconds (a lull inside a burst is not the end of it); the trend moves more slowly still,
-# so one noisy window does not make a forecast.
-LEVEL_UP_TAU_S = 4.0
+# Holt's smoothing time constants (s): the level follows within ~tens of seconds, the
+# trend more slowly so one noisy window does not make a forecast. A window whose arrivals
+# would be a BURST_SIGMAS event for a Poisson process at the current level is a burst: the
+# level then rises with LEVEL_UP_TAU_S, so replicas start before a boot time is spent
+# (workers that take every request leave no router queue to see a burst by). Ordinary
+# Poisson noise keeps the slow constant: a fast level on every rise would track the
+# peaks of the noise, not the rate, and over-provision a steady load.
 LEVEL_TAU_S = 20.0
+LEVEL_UP_TAU_S = 4.0
+BURST_SIGMAS = 3.0
 TREND_TAU_S = 60.0
 ATTAINMENT_TAU_S = 30.0  # SLO verdicts older than this count less and less
 CAPACITY_STEP_PERIOD_S = 10.0
@@ -247,7 +250,7 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     if not obs.window_s > 0:
         raise ValueError("obs.window_s must be > 0")
     rate = obs.arrivals / obs.window_s
-    level, trend = _holt(state, rate, obs.window_s)
+    level, trend = _holt(state, obs.arrivals, obs.window_s)
     forecast = max(0.0, level + trend * config.boot_s)
     slo_met, slo_total = _attainment(state, obs)
     attainment = slo_met / slo_total if slo_total else None
@@ -292,13 +295,17 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
                      "raw": float(bounded)})
 
 
-def _holt(state: State, rate: float, dt: float) -> tuple[float, float]:
-    """Holt's linear smoothing of the arrival rate (level, trend), time-aware; the level
-    rises with ``LEVEL_UP_TAU_S`` and falls with ``LEVEL_TAU_S``."""
+def _holt(state: State, arrivals: int, dt: float) -> tuple[float, float]:
+    """Holt's linear smoothing of the arrival rate (level, trend), time-aware; a burst
+    (``arrivals`` above the predicted Poisson mean by ``BURST_SIGMAS`` standard deviations
+    and one request) moves the level with ``LEVEL_UP_TAU_S``."""
+    rate = arrivals / dt
     if state.last_time is None and state.level_rps == 0.0:
         return rate, 0.0
     predicted = state.level_rps + state.trend_rps_per_s * dt
-    a = 1.0 - math.exp(-dt / (LEVEL_UP_TAU_S if rate > predicted else LEVEL_TAU_S))
+    expected = max(0.0, predicted) * dt
+    burst = arrivals > expected + BURST_SIGMAS * math.sqrt(expected) + 1
+    a = 1.0 - math.exp(-dt / (LEVEL_UP_TAU_S if burst else LEVEL_TAU_S))
     b = 1.0 - math.exp(-dt / TREND_TAU_S)
     level = max(0.0, predicted + a * (rate - predicted))
     trend = state.trend_rps_per_s + b * ((level - state.level_rps) / dt - state.trend_rps_per_s)
