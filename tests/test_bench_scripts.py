@@ -108,6 +108,19 @@ def test_autoscale_bench_tiny(tmp_path):
     assert (tmp_path / "autoscale.png").stat().st_size > 10_000
 
 
+def test_autoscale_sim_bench_one_cut(tmp_path):
+    """The simulator's sweep of bench/autoscale.py cuts: static-2 is the yardstick (ratio 1),
+    static-1 costs half, the oracle does no worse than static-1."""
+    result = run_bench("autoscale_sim.py", "--cut", "2100,120,0.04,0.5",
+                       out=tmp_path / "autoscale_sim.json")
+    (row,) = result["cuts"]
+    assert row["cut"] == "azure2023_code_2100_120_0.04_0.5" and row["requests"] > 0
+    assert row["static-2"]["replica_ratio"] == 1.0 and row["static-2"]["scale_events"] == 0
+    assert row["static-1"]["replica_ratio"] == pytest.approx(0.5, abs=0.02)
+    assert row["oracle"]["attainment_pct"] >= row["static-1"]["attainment_pct"]
+    assert row["sluice"]["policy"].startswith("sluice:") and isinstance(row["target_met"], bool)
+
+
 def test_autoscale_bench_reads_the_supervisors_log_and_builds_valid_manifests():
     sys.path.insert(0, str(ROOT / "bench"))
     import autoscale  # noqa: PLC0415  (bench/autoscale.py)
@@ -162,3 +175,12 @@ def test_fan_out_bench(tmp_path):
     assert result["big_status"] in ("left", 200)
     if result["big_status"] == "left":
         assert len(result["small_seconds"]) == 2 and result["idle_after_abort_s"] is not None
+
+
+def test_paged_decode_bench(tmp_path):
+    """Tiny: B = 1 and 2, two rounds; both decode paths run and agree (the script asserts it)."""
+    result = run_bench("paged_decode.py", "--batch", "1", "2", "--repeats", "2", "--max-ctx", "40",
+                       "--min-ctx", "1", out=tmp_path / "paged_decode.json")
+    assert [row["batch"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["native"]["attention"] > 0 and row["sdpa"]["step"] > 0 and row["step_speedup"] > 0
