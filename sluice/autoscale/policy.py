@@ -223,7 +223,7 @@ class Decision:
 # peaks of the noise, not the rate, and over-provision a steady load.
 LEVEL_TAU_S = 20.0
 LEVEL_UP_TAU_S = 4.0
-BURST_SIGMAS = 3.0
+BURST_SIGMAS = 5.0
 TREND_TAU_S = 60.0
 ATTAINMENT_TAU_S = 30.0  # SLO verdicts older than this count less and less
 CAPACITY_STEP_PERIOD_S = 10.0
@@ -298,17 +298,20 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
 def _holt(state: State, arrivals: int, dt: float) -> tuple[float, float]:
     """Holt's linear smoothing of the arrival rate (level, trend), time-aware; a burst
     (``arrivals`` above the predicted Poisson mean by ``BURST_SIGMAS`` standard deviations
-    and one request) moves the level with ``LEVEL_UP_TAU_S``."""
+    and one request) moves the level with ``LEVEL_UP_TAU_S``. The trend follows the step
+    the slow level would have taken: a burst's jump is not a slope to extrapolate over the
+    boot time (it forecast 2x the oracle's replicas on the code trace at a 30 s boot)."""
     rate = arrivals / dt
     if state.last_time is None and state.level_rps == 0.0:
         return rate, 0.0
     predicted = state.level_rps + state.trend_rps_per_s * dt
     expected = max(0.0, predicted) * dt
     burst = arrivals > expected + BURST_SIGMAS * math.sqrt(expected) + 1
-    a = 1.0 - math.exp(-dt / (LEVEL_UP_TAU_S if burst else LEVEL_TAU_S))
+    slow = max(0.0, predicted + (1.0 - math.exp(-dt / LEVEL_TAU_S)) * (rate - predicted))
+    level = max(0.0, predicted + (1.0 - math.exp(-dt / LEVEL_UP_TAU_S)) * (rate - predicted)) \
+        if burst else slow
     b = 1.0 - math.exp(-dt / TREND_TAU_S)
-    level = max(0.0, predicted + a * (rate - predicted))
-    trend = state.trend_rps_per_s + b * ((level - state.level_rps) / dt - state.trend_rps_per_s)
+    trend = state.trend_rps_per_s + b * ((slow - state.level_rps) / dt - state.trend_rps_per_s)
     return level, trend
 
 
