@@ -120,15 +120,15 @@ class ModelRunner:
             else:
                 prefills.append((start, n, c + n, table[:-(-(c + n) // bs)].to(dev)))
             start += n
-        decode_token_idx = decode_block_tables = decode_lens_t = decode_mask = None
+        decode_token_idx = decode_block_tables = context_lens = decode_mask = None
         if decode_idx:
             decode_token_idx = torch.tensor(decode_idx, device=dev)
             decode_block_tables = torch.nn.utils.rnn.pad_sequence(decode_tables, batch_first=True).to(dev)
-            decode_lens_t = torch.tensor(decode_lens, device=dev)
+            context_lens = torch.tensor(decode_lens, device=dev)
             if self.decode_needs_mask:
                 max_len = decode_block_tables.shape[1] * bs
-                decode_mask = (torch.arange(max_len, device=dev) < decode_lens_t.unsqueeze(1)).view(
+                decode_mask = (torch.arange(max_len, device=dev) < context_lens.unsqueeze(1)).view(
                     len(decode_lens), 1, 1, max_len)
         meta = AttentionMetadata(torch.cat(slots).to(dev), decode_token_idx, decode_block_tables,
-                                 decode_lens_t, decode_mask, prefills)
+                                 context_lens, decode_mask, prefills)
         return torch.cat(ids).to(dev), torch.cat(pos).to(dev), meta
