@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 
 import pytest
 import torch
@@ -88,18 +89,25 @@ def test_decode_attention_uses_the_kernel_on_cpu_and_sdpa_without_it(kernel, mon
     assert torch.allclose(native, fallback, atol=1e-5)
 
 
-def test_switch_off_and_failed_build_fall_back(monkeypatch, caplog):
+def test_switch_off_missing_compiler_and_failed_build_fall_back(monkeypatch, caplog):
     load = attention._load_paged_decode.__wrapped__  # the uncached loader
     monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
     assert load() is None
-
-    def no_compiler(**_):
-        raise RuntimeError("Error building extension 'sluice_paged_decode'\n[1/2] c++ ...\n"
-                           "fatal error: torch/library.h: No such file or directory")
-
     monkeypatch.delenv("SLUICE_NATIVE_KERNELS")
-    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+
+    def failed_build(**_):  # what cpp_extension raises when ninja's compile step fails
+        raise RuntimeError("Error building extension 'sluice_paged_decode': [1/2] c++ -c paged_decode.cpp\n"
+                           "FAILED: paged_decode.o\nc++ -c paged_decode.cpp\n"
+                           "paged_decode.cpp:13:10: fatal error: ATen/ATen.h: No such file or directory\n"
+                           "ninja: build stopped: subcommand failed.\n")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", failed_build)
     with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        monkeypatch.setenv("CXX", "/nonexistent/c++")
         assert load() is None
-    [record] = caplog.records
-    assert "gather + SDPA" in record.message and "torch/library.h" in record.message
+        monkeypatch.setenv("CXX", sys.executable)  # any executable: the build itself is faked
+        assert load() is None
+    assert [r.message.split("gather + SDPA: ")[1] for r in caplog.records] == [
+        "RuntimeError: no C++ compiler: '/nonexistent/c++' not found",
+        "RuntimeError: Error building extension 'sluice_paged_decode' "
+        "paged_decode.cpp:13:10: fatal error: ATen/ATen.h: No such file or directory"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,13 +153,26 @@ def _load_paged_decode() -> Callable[..., torch.Tensor] | None:
     try:
         from torch.utils import cpp_extension
 
+        compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"no C++ compiler: {compiler!r} not found")
+        if shutil.which("ninja") is None:  # pip's ninja sits in the venv's bin, off PATH unless activated
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         cpp_extension.load(name="sluice_paged_decode", sources=[str(_PAGED_DECODE_SRC)],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as err:  # no compiler, headers or ninja: serve on the slower path
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [""]
-        detail = next((line for line in lines[1:] if "error" in line.lower()), "")
-        logger.warning("native paged decode kernel unavailable, decode attention uses gather + SDPA: "
-                       "%s: %s %s", type(err).__name__, lines[0][:200], detail[:200])
+        logger.warning("native paged decode kernel unavailable, decode attention uses gather + SDPA: %s",
+                       _build_failure(err))
         return None
     return torch.ops.sluice.paged_decode
+
+
+def _build_failure(err: Exception) -> str:
+    """One line from cpp_extension's error: its head (minus the ninja command lines) and the
+    first line of the compiler's output that says what went wrong."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [""]
+    why = next((line for line in lines[1:] if "error" in line.lower() or "not found" in line), "")
+    return f"{type(err).__name__}: {lines[0].split(': [')[0][:200]} {why[:200]}".strip()
