@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import io
 import json
 import sys
 import tempfile
-from datetime import datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from autoscale import TARGET_POINTS, TARGET_RATIO, TRACES, Cut, cut_trace, describe_cut  # noqa: E402
+from autoscale import (TARGET_POINTS, TARGET_RATIO, TRACES, Cut, cut_trace,  # noqa: E402
+                       describe_cut, write_azure_csv)
 from sluice.bench import workload  # noqa: E402
 from sluice.cli import main as sluice_main  # noqa: E402
 
@@ -46,17 +45,6 @@ POLICIES = {"oracle": "oracle", "static-1": "static:replicas=1",
 CUTS = [(2100, 600, 0.04, 0.5, "code"), (0, 600, 0.04, 0.5, "code"),
         (1200, 600, 0.04, 0.5, "code"), (1800, 600, 0.04, 0.5, "code"),
         (500, 440, 0.03, 0.7, "code"), (0, 3500, 0.01, 0.1, "conv")]
-
-
-def write_azure_csv(rows: list[workload.TraceRow], path: Path) -> None:
-    """The cut in the Azure 2023 CSV format ``sluice simulate`` reads."""
-    t0 = datetime(2023, 11, 16)
-    with path.open("w", newline="") as f:
-        out = csv.writer(f)
-        out.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
-        for row in rows:
-            stamp = (t0 + timedelta(seconds=row.arrival_s)).strftime("%Y-%m-%d %H:%M:%S.%f")
-            out.writerow([stamp, row.input_tokens, row.output_tokens])
 
 
 def run_cut(cut: Cut, args: argparse.Namespace, workdir: Path) -> dict:

@@ -79,6 +79,42 @@ def test_a_model_the_server_does_not_serve_is_bad_input(worker_url, capsys):
     assert "does not serve 'no-such-model'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "empty trace"),
+])
+def test_a_bad_lengths_trace_is_bad_input(worker_url, tmp_path, capsys, content, message):
+    trace = tmp_path / "lengths.csv"
+    if content is not None:
+        trace.write_text(content)
+    assert cli.main(["profile", "--url", worker_url, "--model", store.DEFAULT_MODEL,
+                     "--slo-ttft-ms", "1000", "--slo-itl-ms", "200",
+                     "--lengths-from", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sluice profile: ") and message in err
+
+
+def test_lengths_from_a_trace_are_its_rows_drawn_with_a_seed():
+    """A long-tailed mix, not its mean: every request carries one row's (input, output)
+    lengths, and the same seed draws the same rows."""
+    from argparse import Namespace
+
+    from sluice.bench import workload
+
+    rows = [workload.TraceRow(0.0, 8, 2), workload.TraceRow(1.0, 200, 30)]
+    builder = workload.PromptBuilder(workload.Tokenizer(
+        workload.resolve_tokenizer(None, store.DEFAULT_MODEL)))
+    args = Namespace(duration=20.0, min_requests=10, input_len=128, output_len=64)
+    specs = profile.step_specs(builder, 2.0, args, seed=3, rows=rows)
+    assert len(specs) >= 10
+    pairs = [(s.input_tokens, s.max_tokens) for s in specs]
+    assert set(pairs) == {(8, 2), (200, 30)}
+    assert all(builder.tok.count(s.prompt) == s.input_tokens for s in specs)
+    again = profile.step_specs(builder, 2.0, args, seed=3, rows=rows)
+    assert [(s.input_tokens, s.max_tokens, s.arrival_s) for s in again] == \
+        [(s.input_tokens, s.max_tokens, s.arrival_s) for s in specs]
+
+
 # --------------------------------------------------------------------------- real worker
 
 RATES = [1.0, 2.0]

@@ -30,6 +30,7 @@ import itertools
 import json
 import logging
 import math
+import random
 import sys
 from collections.abc import Sequence
 from collections import Counter
@@ -64,6 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=64,
                         help="output tokens per request (exact: ignore_eos)")
+    parser.add_argument("--lengths-from", metavar="TRACE",
+                        help="draw each request's input and output lengths from a row of this "
+                        "trace (Azure 2023 CSV or Mooncake JSONL; seeded, with replacement) "
+                        "instead of --input-len/--output-len: the capacity for the trace's "
+                        "length mix, which a long tail of prompts puts below the mean's")
     parser.add_argument("--rates", default=DEFAULT_RATES,
                         help=f"comma-separated request rates (req/s), tried in increasing order "
                         f"(default {DEFAULT_RATES})")
@@ -207,15 +213,22 @@ def check_server(url: str, model: str, timeout_s: float = 5.0) -> None:
 
 
 def step_specs(builder: workload.PromptBuilder, rate_rps: float, args: argparse.Namespace,
-               seed: int) -> list[workload.RequestSpec]:
+               seed: int, rows: Sequence[workload.TraceRow] = ()) -> list[workload.RequestSpec]:
     """One step's requests with Poisson arrival offsets (s): those before ``--duration``,
-    and at least ``--min-requests``. Prompts are built before the clock starts."""
+    and at least ``--min-requests``; lengths ``--input-len``/``--output-len``, or those of
+    a row of ``rows`` drawn at random (seeded). Prompts are built before the clock starts."""
     arrivals = schedule.arrivals(rate_rps, 1.0, seed)
     times = []
     for at in arrivals:
         if at >= args.duration and len(times) >= args.min_requests:
             break
         times.append(at)
+    if rows:
+        rng = random.Random(seed)
+        picks = [rng.choice(rows) for _ in times]
+        return [workload.RequestSpec(builder.text(row.input_tokens, rng), row.output_tokens,
+                                     row.input_tokens, arrival_s=at)
+                for at, row in zip(times, picks)]
     lengths = workload.synthetic(builder, workload.LengthDist("fixed", args.input_len),
                                  workload.LengthDist("fixed", args.output_len), seed)
     return [workload.RequestSpec(spec.prompt, spec.max_tokens, spec.input_tokens, arrival_s=at)
@@ -231,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
         check_server(args.url, args.model)
         tok = workload.Tokenizer(workload.resolve_tokenizer(args.tokenizer, args.model))
         builder = workload.PromptBuilder(tok)
-    except (ValueError, OSError) as exc:
+        rows = workload.read_trace(args.lengths_from) if args.lengths_from else []
+    except (ValueError, OSError, KeyError) as exc:
         print(f"sluice profile: {exc}", file=sys.stderr)
         return 2
     slo = Objectives(args.slo_ttft_ms, args.slo_itl_ms, args.percentile)
@@ -242,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         builder, workload.LengthDist("fixed", 32), workload.LengthDist("fixed", 8),
         args.seed + 1_000_003), 1))
     for i, rate in enumerate(rates):
-        specs = step_specs(builder, rate, args, args.seed + i)
+        specs = step_specs(builder, rate, args, args.seed + i, rows)
         cfg = LoadConfig(url=args.url, model=args.model, concurrency=None, open_loop=True,
                          num_requests=len(specs), request_timeout_s=args.request_timeout)
         err.print(f"rate {rate:g} req/s: {len(specs)} requests ...")
@@ -300,10 +314,10 @@ def _ms(value: float | None) -> str:
 
 def write_json(path: str | Path, args: argparse.Namespace, slo: Objectives,
                steps: Sequence[Step], cap: float) -> None:
-    """``{model, url, input_len, output_len, slo, percentile, capacity_rps, duration_s,
-    steps}``; times in ms (``*_ms``) and s (``*_s``), rates in req/s."""
+    """``{model, url, input_len, output_len, lengths_from, slo, percentile, capacity_rps,
+    duration_s, steps}``; times in ms (``*_ms``) and s (``*_s``), rates in req/s."""
     data = {"model": args.model, "url": args.url, "input_len": args.input_len,
-            "output_len": args.output_len,
+            "output_len": args.output_len, "lengths_from": args.lengths_from,
             "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms},
             "percentile": slo.percentile, "capacity_rps": cap, "duration_s": args.duration,
             "steps": [asdict(s) for s in steps]}
