@@ -134,9 +134,11 @@ LONG = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "ma
         "ignore_eos": True, "temperature": 1.0}
 
 
-def metric(url: str, name: str) -> float:
-    """Sum of every sample of ``name`` (all label sets) in ``url``'s /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
+def metric(url: str, name: str, text: str | None = None) -> float:
+    """Sum of every sample of ``name`` (all label sets) in ``url``'s /metrics (or in
+    ``text``, a scrape of it already taken)."""
+    if text is None:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
     pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", re.M)
     return sum(float(v) for v in pattern.findall(text))
 
@@ -380,8 +382,13 @@ def test_client_leaving_a_stream_stops_the_worker(router, workers):
                     break
             else:
                 pytest.fail(f"the stream ended early: {received[-2000:]!r}")
-            assert sum(metric(u, names.NUM_RUNNING) for u in workers) == 1
-            assert any(metric(u, names.KV_CACHE_USAGE) > 0 for u in workers)
+            assert b"[DONE]" not in received and b'"error"' not in received, received
+            # one scrape per worker: the running request's blocks show in the same snapshot
+            load = [(metric(u, names.NUM_RUNNING, text), metric(u, names.KV_CACHE_USAGE, text))
+                    for u, text in ((u, httpx.get(f"{u}/metrics", timeout=5).text)
+                                    for u in workers)]
+            assert sorted(running for running, _ in load) == [0, 1], load
+            assert all((usage > 0) == (running == 1) for running, usage in load), load
     assert wait_until(lambda: idle(workers), deadline)
     assert wait_until(lambda: metric(router, names.ROUTER_IN_FLIGHT) == 0, deadline)
 

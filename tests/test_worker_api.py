@@ -105,12 +105,18 @@ def test_completion_shape_and_usage(worker_url):
 def test_a_plain_answer_reports_its_ttft_to_the_router(worker_url):
     """``x-sluice-ttft-ms``: the first output's time since arrival, within the request's
     own time (the router cannot see the first token of a body that comes whole)."""
-    started = time.monotonic()
+    before = {k: metric(worker_url, names.TTFT + k) for k in ("_sum", "_count")}
+    e2e_before = metric(worker_url, names.E2E + "_sum")
     r = httpx.post(f"{worker_url}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": ABC, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
-    elapsed_ms = (time.monotonic() - started) * 1000
     assert r.status_code == 200
-    assert 0 < float(r.headers["x-sluice-ttft-ms"]) < elapsed_ms / 2  # 1 step of 24
+    ttft_ms = float(r.headers["x-sluice-ttft-ms"])
+    # the same first output the worker's own TTFT histogram saw (two clock reads apart),
+    # and not the end: 23 decode steps come after it
+    assert metric(worker_url, names.TTFT + "_count") == before["_count"] + 1
+    ttft_s = metric(worker_url, names.TTFT + "_sum") - before["_sum"]
+    assert ttft_ms == pytest.approx(ttft_s * 1000, abs=20)
+    assert 0 < ttft_ms < (metric(worker_url, names.E2E + "_sum") - e2e_before) * 1000
     stream = httpx.post(f"{worker_url}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": ABC, "max_tokens": 2, "stream": True})
     assert "x-sluice-ttft-ms" not in stream.headers  # a stream shows its first token itself
