@@ -3,12 +3,12 @@
 The real benchmark replays one cut against real workers (~20 minutes for three
 configurations); this replays several cuts of the same kind (``bench/autoscale.py``'s
 ``Cut``: a stretch of an Azure 2023 trace, thinned, time-scaled, lengths scaled and capped)
-through ``sluice simulate`` with the same fleet: max 2 replicas, boot 8 s (a 1-thread
-SmolLM2 worker's measured start to ready), the benchmark's SLO, the measured SmolLM2 step
-profile, and one replica's capacity calibrated by the simulator for each cut's lengths. Per
-cut it runs the clairvoyant oracle (the best any policy could do), static 1 and 2 replicas,
-and Sluice's policy (``recommend``, scale-down window 30 s as in the benchmark's manifest),
-and reports SLO attainment (both objectives) and replica-hours relative to static-2.
+through ``sluice simulate`` with the same fleet: max 2 replicas, the benchmark's boot
+(8 s: a 1-thread SmolLM2 worker's measured start to routed), the benchmark's SLO, the
+measured SmolLM2 step profile, and one replica's capacity calibrated by the simulator for
+each cut's lengths. Per cut it runs the clairvoyant oracle (the best any policy could do),
+static 1 and 2 replicas, and Sluice's policy (``recommend``, the benchmark's scale-down
+window, 16 s), and reports SLO attainment (both objectives) and replica-hours relative to static-2.
 
 Issue 9's target, per cut: Sluice within 1 point of static-2's attainment at <= 70 % of its
 replica-seconds. The oracle's column says whether a cut allows it at all.
@@ -31,14 +31,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from autoscale import (TARGET_POINTS, TARGET_RATIO, TRACES, Cut, cut_trace,  # noqa: E402
-                       describe_cut, write_azure_csv)
+from autoscale import (SCALING, TARGET_POINTS, TARGET_RATIO, TRACES, Cut,  # noqa: E402
+                       cut_trace, describe_cut, write_azure_csv)
 from sluice.bench import workload  # noqa: E402
 from sluice.cli import main as sluice_main  # noqa: E402
 
 PROFILE = ROOT / "sluice" / "sim" / "profiles" / "SmolLM2-135M-Instruct.json"
 POLICIES = {"oracle": "oracle", "static-1": "static:replicas=1",
-            "static-2": "static:replicas=2", "sluice": "sluice:down=30"}
+            "static-2": "static:replicas=2", "sluice": "sluice:down={down:g}"}
 # (start s, span s, keep, time scale, trace): code-trace stretches that static-2 serves
 # (>= 95 % in the simulator), bench/autoscale.py's default first, and a 10x-compressed
 # conversation trace, whose load ramps instead of switching on and off.
@@ -59,7 +59,7 @@ def run_cut(cut: Cut, args: argparse.Namespace, workdir: Path) -> dict:
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms),
             "--no-progress", "--oracle-passes", "1", "--output", str(output)]
     for policy in list(POLICIES.values())[1:]:  # the simulator runs the oracle anyway
-        argv += ["--policy", policy]
+        argv += ["--policy", policy.format(down=args.scale_down_s)]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         status = sluice_main(argv)
     if status != 0:
@@ -84,9 +84,12 @@ def main() -> int:
     parser.add_argument("--cut", action="append", default=[],
                         help="START,SPAN,KEEP,TIME_SCALE[,code|conv] (repeatable)")
     parser.add_argument("--profile", default=str(PROFILE))
-    parser.add_argument("--boot-s", type=float, default=8.0)
+    parser.add_argument("--boot-s", type=float, default=SCALING["bootSeconds"])
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=300.0)
+    parser.add_argument("--scale-down-s", type=float,
+                        default=SCALING["scaleDownStabilizationSeconds"],
+                        help="Sluice's scale-down window (default: the benchmark manifest's)")
     parser.add_argument("--out", default="bench/results/autoscale_sim.json")
     args = parser.parse_args()
     specs = [tuple(c.split(",")) for c in args.cut] or CUTS

@@ -242,3 +242,34 @@ def test_poisson_noise_is_not_a_burst():
     decisions = run(config, State.initial(1, config, 0.0), script, step=2.0)
     assert {d.replicas for d in decisions} == {1}
     assert decisions[-1].state.level_rps == pytest.approx(0.75, abs=0.12)
+
+
+def test_silence_after_a_burst_ends_it_within_seconds():
+    """A burst at 2 req/s stops dead. Silence a Poisson process at the level would produce
+    once in e^SILENCE_EVENTS (~1,100) times ends the slow decay: the level falls with
+    LEVEL_UP_TAU_S, so the second replica leaves one scale-down window after the level is
+    under the consolidation margin (8 s of silence), not after the ~32 s the 20 s decay
+    needed to bring 2 req/s under 0.4 (on the code trace a replica stayed ~40 s per burst)."""
+    config = Config(min_replicas=1, max_replicas=2, capacity_rps=0.5, boot_s=8.0,
+                    scale_down_window_s=10.0)
+    busy = [Observation(2.0, arrivals=4, in_flight=4, ready=2)] * 15  # 30 s at 2 req/s
+    state = run(config, State.initial(2, config, 0.0), busy, step=2.0)[-1].state
+    assert state.level_rps == pytest.approx(2.0, rel=0.05)
+    quiet = run(config, state, [Observation(2.0, ready=2)] * 20, start=30.0, step=2.0)
+    assert [d.state.quiet_expected > 7 for d in quiet[:3]] == [False, True, True]
+    assert quiet[2].state.level_rps == pytest.approx(quiet[1].state.level_rps
+                                                     * math.exp(-2 / 4), rel=0.05)
+    down = next(i for i, d in enumerate(quiet) if d.replicas == 1)
+    assert (2 * (down + 1), quiet[down].reason) == (18, "consolidate")  # 18 s after the burst
+
+
+def test_ordinary_gaps_at_a_low_rate_are_not_silence():
+    """0.5 req/s arriving as 5 in one 2 s window, then 8 s of nothing: each gap is an
+    e^-4 event at the level, not e^-7, so the level keeps the slow constant and the rate."""
+    config = Config(min_replicas=1, max_replicas=2, capacity_rps=1.0, boot_s=8.0,
+                    scale_down_window_s=10.0)
+    script = [Observation(2.0, arrivals=n, ready=1) for n in (5, 0, 0, 0, 0) * 30]
+    decisions = run(config, State.initial(1, config, 0.0), script, step=2.0)
+    assert max(d.state.quiet_expected for d in decisions[5:]) < 7
+    assert min(d.state.level_rps for d in decisions[50:]) > 0.3  # the slow ripple
+    assert decisions[-1].state.level_rps == pytest.approx(0.5, abs=0.15)

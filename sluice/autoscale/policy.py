@@ -169,6 +169,8 @@ class State:
         slo_met / slo_total: requests that met the SLO / all with a verdict, both decayed
             with ``ATTAINMENT_TAU_S`` (short windows hold few verdicts each).
         last_active: when demand (arrivals or pending requests) was last seen.
+        quiet_expected: arrivals the level predicted since the last window that had any
+            (the silence is a 1-in-e^quiet_expected event at those rates).
         history: (time, raw recommendation) within the longest stabilization window.
         last_time: the previous call's ``now`` (None before the first).
     """
@@ -180,6 +182,7 @@ class State:
     slo_met: float = 0.0
     slo_total: float = 0.0
     last_active: float = 0.0
+    quiet_expected: float = 0.0
     history: tuple[tuple[float, int], ...] = ()
     last_time: float | None = None
 
@@ -220,10 +223,15 @@ class Decision:
 # level then rises with LEVEL_UP_TAU_S, so replicas start before a boot time is spent
 # (workers that take every request leave no router queue to see a burst by). Ordinary
 # Poisson noise keeps the slow constant: a fast level on every rise would track the
-# peaks of the noise, not the rate, and over-provision a steady load.
+# peaks of the noise, not the rate, and over-provision a steady load. The way down is the
+# mirror image: silence that the level would produce less often than once in
+# e^SILENCE_EVENTS (the Poisson chance of no arrival when the level predicted that many)
+# means the burst is over, and the level falls with LEVEL_UP_TAU_S too; ordinary gaps keep
+# the slow constant (with it, a replica stayed ~40 s after each burst of the code trace).
 LEVEL_TAU_S = 20.0
 LEVEL_UP_TAU_S = 4.0
 BURST_SIGMAS = 5.0
+SILENCE_EVENTS = 7.0
 TREND_TAU_S = 60.0
 ATTAINMENT_TAU_S = 30.0  # SLO verdicts older than this count less and less
 CAPACITY_STEP_PERIOD_S = 10.0
@@ -250,7 +258,7 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     if not obs.window_s > 0:
         raise ValueError("obs.window_s must be > 0")
     rate = obs.arrivals / obs.window_s
-    level, trend = _holt(state, obs.arrivals, obs.window_s)
+    level, trend, quiet = _holt(state, obs.arrivals, obs.window_s)
     forecast = max(0.0, level + trend * config.boot_s)
     slo_met, slo_total = _attainment(state, obs)
     attainment = slo_met / slo_total if slo_total else None
@@ -289,30 +297,35 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
         reason = "stabilizing" if bounded != state.replicas else "steady"
     next_state = replace(state, replicas=replicas, capacity_rps=capacity, level_rps=level,
                          trend_rps_per_s=trend, slo_met=slo_met, slo_total=slo_total,
-                         last_active=last_active, history=history, last_time=now)
+                         last_active=last_active, quiet_expected=quiet, history=history,
+                         last_time=now)
     return Decision(replicas, reason, next_state, demand, capacity, attainment,
                     {"rate_rps": rate, "forecast_rps": forecast, "backlog": float(backlog),
                      "raw": float(bounded)})
 
 
-def _holt(state: State, arrivals: int, dt: float) -> tuple[float, float]:
-    """Holt's linear smoothing of the arrival rate (level, trend), time-aware; a burst
-    (``arrivals`` above the predicted Poisson mean by ``BURST_SIGMAS`` standard deviations
-    and one request) moves the level with ``LEVEL_UP_TAU_S``. The trend follows the step
-    the slow level would have taken: a burst's jump is not a slope to extrapolate over the
-    boot time (it forecast 2x the oracle's replicas on the code trace at a 30 s boot)."""
+def _holt(state: State, arrivals: int, dt: float) -> tuple[float, float, float]:
+    """Holt's linear smoothing of the arrival rate: (level, trend, quiet_expected),
+    time-aware. A burst (``arrivals`` above the predicted Poisson mean by ``BURST_SIGMAS``
+    standard deviations and one request), or a silence in which the level predicted
+    ``SILENCE_EVENTS`` arrivals or more, moves the level with ``LEVEL_UP_TAU_S``. The trend
+    follows the step the slow level would have taken: a burst's jump is not a slope to
+    extrapolate over the boot time (it forecast 2x the oracle's replicas on the code trace
+    at a 30 s boot)."""
     rate = arrivals / dt
     if state.last_time is None and state.level_rps == 0.0:
-        return rate, 0.0
+        return rate, 0.0, 0.0
     predicted = state.level_rps + state.trend_rps_per_s * dt
     expected = max(0.0, predicted) * dt
     burst = arrivals > expected + BURST_SIGMAS * math.sqrt(expected) + 1
+    quiet = 0.0 if arrivals else state.quiet_expected + expected
+    over = quiet >= SILENCE_EVENTS
     slow = max(0.0, predicted + (1.0 - math.exp(-dt / LEVEL_TAU_S)) * (rate - predicted))
     level = max(0.0, predicted + (1.0 - math.exp(-dt / LEVEL_UP_TAU_S)) * (rate - predicted)) \
-        if burst else slow
+        if burst or over else slow
     b = 1.0 - math.exp(-dt / TREND_TAU_S)
     trend = state.trend_rps_per_s + b * ((slow - state.level_rps) / dt - state.trend_rps_per_s)
-    return level, trend
+    return level, trend, quiet
 
 
 def _attainment(state: State, obs: Observation) -> tuple[float, float]:
