@@ -169,8 +169,9 @@ class State:
         slo_met / slo_total: requests that met the SLO / all with a verdict, both decayed
             with ``ATTAINMENT_TAU_S`` (short windows hold few verdicts each).
         last_active: when demand (arrivals or pending requests) was last seen.
-        quiet_expected: arrivals the level predicted since the last window that had any
-            (the silence is a 1-in-e^quiet_expected event at those rates).
+        quiet_s / quiet_expected: seconds since the last window with arrivals, and the
+            arrivals the level predicted over them (the silence is a 1-in-e^quiet_expected
+            event at those rates).
         history: (time, raw recommendation) within the longest stabilization window.
         last_time: the previous call's ``now`` (None before the first).
     """
@@ -182,6 +183,7 @@ class State:
     slo_met: float = 0.0
     slo_total: float = 0.0
     last_active: float = 0.0
+    quiet_s: float = 0.0
     quiet_expected: float = 0.0
     history: tuple[tuple[float, int], ...] = ()
     last_time: float | None = None
@@ -226,8 +228,9 @@ class Decision:
 # peaks of the noise, not the rate, and over-provision a steady load. The way down is the
 # mirror image: silence that the level would produce less often than once in
 # e^SILENCE_EVENTS (the Poisson chance of no arrival when the level predicted that many)
-# means the burst is over, and the level falls with LEVEL_UP_TAU_S too; ordinary gaps keep
-# the slow constant (with it, a replica stayed ~40 s after each burst of the code trace).
+# and lasts a boot time means the burst is over, and the level falls with LEVEL_UP_TAU_S
+# too; ordinary gaps keep the slow constant (with it, a replica stayed ~40 s after each
+# 10 s burst of the code trace at an 8 s boot).
 LEVEL_TAU_S = 20.0
 LEVEL_UP_TAU_S = 4.0
 BURST_SIGMAS = 5.0
@@ -258,7 +261,7 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     if not obs.window_s > 0:
         raise ValueError("obs.window_s must be > 0")
     rate = obs.arrivals / obs.window_s
-    level, trend, quiet = _holt(state, obs.arrivals, obs.window_s)
+    level, trend, quiet_s, quiet = _holt(state, obs.arrivals, obs.window_s, config.boot_s)
     forecast = max(0.0, level + trend * config.boot_s)
     slo_met, slo_total = _attainment(state, obs)
     attainment = slo_met / slo_total if slo_total else None
@@ -297,35 +300,39 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
         reason = "stabilizing" if bounded != state.replicas else "steady"
     next_state = replace(state, replicas=replicas, capacity_rps=capacity, level_rps=level,
                          trend_rps_per_s=trend, slo_met=slo_met, slo_total=slo_total,
-                         last_active=last_active, quiet_expected=quiet, history=history,
-                         last_time=now)
+                         last_active=last_active, quiet_s=quiet_s, quiet_expected=quiet,
+                         history=history, last_time=now)
     return Decision(replicas, reason, next_state, demand, capacity, attainment,
                     {"rate_rps": rate, "forecast_rps": forecast, "backlog": float(backlog),
                      "raw": float(bounded)})
 
 
-def _holt(state: State, arrivals: int, dt: float) -> tuple[float, float, float]:
-    """Holt's linear smoothing of the arrival rate: (level, trend, quiet_expected),
+def _holt(state: State, arrivals: int, dt: float,
+          boot_s: float) -> tuple[float, float, float, float]:
+    """Holt's linear smoothing of the arrival rate: (level, trend, quiet_s, quiet_expected),
     time-aware. A burst (``arrivals`` above the predicted Poisson mean by ``BURST_SIGMAS``
-    standard deviations and one request), or a silence in which the level predicted
-    ``SILENCE_EVENTS`` arrivals or more, moves the level with ``LEVEL_UP_TAU_S``. The trend
+    standard deviations and one request), or a silence of a boot time or more in which the
+    level predicted ``SILENCE_EVENTS`` arrivals or more, moves the level with
+    ``LEVEL_UP_TAU_S``. (A replica dropped in a shorter dip could not be back in time: the
+    oracle of ``sluice simulate`` keeps its replicas across those too.) The trend
     follows the step the slow level would have taken: a burst's jump is not a slope to
     extrapolate over the boot time (it forecast 2x the oracle's replicas on the code trace
     at a 30 s boot)."""
     rate = arrivals / dt
     if state.last_time is None and state.level_rps == 0.0:
-        return rate, 0.0, 0.0
+        return rate, 0.0, 0.0, 0.0
     predicted = state.level_rps + state.trend_rps_per_s * dt
     expected = max(0.0, predicted) * dt
     burst = arrivals > expected + BURST_SIGMAS * math.sqrt(expected) + 1
+    quiet_s = 0.0 if arrivals else state.quiet_s + dt
     quiet = 0.0 if arrivals else state.quiet_expected + expected
-    over = quiet >= SILENCE_EVENTS
+    over = quiet >= SILENCE_EVENTS and quiet_s >= boot_s
     slow = max(0.0, predicted + (1.0 - math.exp(-dt / LEVEL_TAU_S)) * (rate - predicted))
     level = max(0.0, predicted + (1.0 - math.exp(-dt / LEVEL_UP_TAU_S)) * (rate - predicted)) \
         if burst or over else slow
     b = 1.0 - math.exp(-dt / TREND_TAU_S)
     trend = state.trend_rps_per_s + b * ((slow - state.level_rps) / dt - state.trend_rps_per_s)
-    return level, trend, quiet
+    return level, trend, quiet_s, quiet
 
 
 def _attainment(state: State, obs: Observation) -> tuple[float, float]:
