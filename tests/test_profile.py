@@ -40,14 +40,29 @@ def test_a_failed_request_misses_and_one_token_meets_itl():
     assert one_token.met and one_token.itl_ms is None and one_token.attainment == 1.0
 
 
-def test_capacity_is_the_last_rate_met_before_the_first_miss():
-    def step(rate, met):
-        return profile.Step(rate, 1, 0, 1.0, 1.0, 1.0, 1.0 if met else 0.0, met)
+def step(rate, met):
+    return profile.Step(rate, 1, 0, 1.0, 1.0, 1.0, 1.0 if met else 0.0, met)
 
+
+def test_capacity_is_the_highest_rate_met_below_the_lowest_miss():
     assert profile.capacity([step(0.5, True), step(1, True), step(2, False)]) == 1
     assert profile.capacity([step(0.5, False)]) == 0
     assert profile.capacity([step(0.5, True), step(1, False), step(2, True)]) == 0.5
     assert profile.capacity([]) == 0
+    assert profile.capacity([step(0.25, True), step(0.5, False), step(0.38, True),
+                             step(0.44, False)]) == 0.38  # after bisection
+
+
+def test_refinement_bisects_between_the_capacity_and_the_lowest_miss():
+    """The midpoint to two significant digits; no bracket (nothing met or nothing missed),
+    or a midpoint that rounds onto an end, stops it."""
+    coarse = [step(0.25, True), step(0.5, False)]
+    assert profile.refine_rate(coarse) == 0.38
+    assert profile.refine_rate([*coarse, step(0.38, True)]) == 0.44
+    assert profile.refine_rate([*coarse, step(0.38, False)]) == 0.32
+    assert profile.refine_rate([step(0.5, False)]) is None
+    assert profile.refine_rate([step(1, True), step(2, True)]) is None
+    assert profile.refine_rate([step(1, True), step(1.1, False)]) is None  # 1.05 -> 1.1
 
 
 def test_rates_are_sorted_positive_numbers():
@@ -61,6 +76,7 @@ def test_rates_are_sorted_positive_numbers():
     (["--rates", "0,1"], "--rates must be positive"),
     (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be > 0"),
     (["--percentile", "120"], "--percentile must be in (0, 100]"),
+    (["--refine", "-1"], "--refine must be >= 0"),
     ([], "no server at"),  # nothing listens on the port
 ])
 def test_bad_input_is_one_line_and_exit_2(extra, message):
@@ -137,10 +153,14 @@ def test_profile_a_real_worker(worker_url, tmp_path):
                          "capacity_rps", "steps"}
     assert (data["model"], data["input_len"], data["output_len"]) == (store.DEFAULT_MODEL, 16, 4)
     assert data["slo"] == {"ttft_ms": 60000, "itl_ms": 60000} and data["percentile"] == 95
-    assert data["capacity_rps"] in [0, *RATES]
+    assert data["capacity_rps"] in [0, *(s["rate_rps"] for s in data["steps"])]
     steps = data["steps"]
-    assert [s["rate_rps"] for s in steps] == RATES[:len(steps)]
-    assert all(s["met"] for s in steps[:-1])  # stepping stops at the first miss
+    upward = [s for s in steps if s["rate_rps"] in RATES]
+    assert [s["rate_rps"] for s in upward] == RATES[:len(upward)]
+    assert all(s["met"] for s in upward[:-1])  # stepping stops at the first miss,
+    refined = steps[len(upward):]  # then bisects (--refine 2) between it and the capacity
+    assert len(refined) <= 2 and all(1.0 < s["rate_rps"] < 2.0 for s in refined)
+    assert not refined or not upward[-1]["met"]
     for s in steps:
         assert s["requests"] >= 2 and s["failed"] == 0 and 0 < s["ttft_ms"]
     assert "TTFT p95 (ms)" in stdout and "attainment" in stdout

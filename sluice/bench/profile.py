@@ -4,11 +4,12 @@ Drives one server (a worker, or a router in front of one) with open-loop Poisson
 at increasing rates, one step per rate, through `sluice bench`'s runner; each step's
 requests all finish before the next step starts. A step *meets* the objectives when every
 request succeeded, the p{percentile} TTFT is within ``--slo-ttft-ms`` and the p{percentile}
-ITL is within ``--slo-itl-ms``. Stepping stops at the first rate that misses; the capacity
-is the highest rate that met (0 when even the lowest missed).
+ITL is within ``--slo-itl-ms``. Stepping stops at the first rate that misses; ``--refine``
+bisection steps then narrow the gap between it and the highest rate that met. The capacity
+is the highest rate that met below the lowest that missed (0 when even the lowest missed).
 
-    rate (req/s)  0.25   0.5    1     2     4
-    met?           yes   yes   yes    no    (not run)      → capacity_rps = 1
+    rate (req/s)  0.25   0.5    1     2     4          then 1.5 (no), 1.2 (yes)
+    met?           yes   yes   yes    no    (not run)      → capacity_rps = 1.2
 
 Per-request ITL is the request's mean inter-token gap, the quantity the router's SLO
 verdicts use (``sluice.router.demand``); a request with one output token has none and meets
@@ -73,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", default=DEFAULT_RATES,
                         help=f"comma-separated request rates (req/s), tried in increasing order "
                         f"(default {DEFAULT_RATES})")
+    parser.add_argument("--refine", type=int, default=2,
+                        help="after the first rate that misses, this many bisection steps "
+                        "between it and the capacity so far (default 2: the listed rates are "
+                        "coarse, e.g. 0.25 met and 0.5 missed)")
     parser.add_argument("--duration", type=float, default=30.0,
                         help="seconds of arrivals per rate (default 30)")
     parser.add_argument("--min-requests", type=int, default=10,
@@ -154,14 +159,22 @@ def judge(rate_rps: float, records: Sequence[RequestRecord], slo: Objectives) ->
 
 
 def capacity(steps: Sequence[Step]) -> float:
-    """The highest rate (req/s) among the steps that met, before the first that missed;
-    0.0 when the first step missed."""
-    best = 0.0
-    for step in steps:
-        if not step.met:
-            break
-        best = max(best, step.rate_rps)
-    return best
+    """The highest rate (req/s) that met below the lowest rate that missed; 0.0 when none
+    did (the first step missed)."""
+    missed = min((s.rate_rps for s in steps if not s.met), default=math.inf)
+    return max((s.rate_rps for s in steps if s.met and s.rate_rps < missed), default=0.0)
+
+
+def refine_rate(steps: Sequence[Step]) -> float | None:
+    """The next rate of the bisection between the capacity so far and the lowest rate that
+    missed: their midpoint to two significant digits (req/s); None without such a bracket
+    (nothing met, or nothing missed) or once the midpoint rounds onto one of its ends."""
+    missed = min((s.rate_rps for s in steps if not s.met), default=None)
+    low = capacity(steps)
+    if missed is None or low == 0:
+        return None
+    mid = float(f"{(low + missed) / 2:.2g}")
+    return mid if low < mid < missed else None
 
 
 def parse_rates(text: str) -> list[float]:
@@ -190,6 +203,8 @@ def _check(args: argparse.Namespace) -> list[float]:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value:g}")
     if not 0 < args.percentile <= 100:
         raise ValueError(f"--percentile must be in (0, 100], got {args.percentile:g}")
+    if args.refine < 0:
+        raise ValueError(f"--refine must be >= 0, got {args.refine}")
     for name in ("input_len", "output_len", "min_requests"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -255,7 +270,15 @@ def run(args: argparse.Namespace) -> int:
     warmup = list(itertools.islice(workload.synthetic(
         builder, workload.LengthDist("fixed", 32), workload.LengthDist("fixed", 8),
         args.seed + 1_000_003), 1))
-    for i, rate in enumerate(rates):
+    upward, refine = iter(rates), args.refine  # the rates until one misses, then bisection
+    while True:
+        if all(s.met for s in steps):
+            rate = next(upward, None)
+        else:
+            rate, refine = (refine_rate(steps) if refine else None), refine - 1
+        if rate is None:
+            break
+        i = len(steps)
         specs = step_specs(builder, rate, args, args.seed + i, rows)
         cfg = LoadConfig(url=args.url, model=args.model, concurrency=None, open_loop=True,
                          num_requests=len(specs), request_timeout_s=args.request_timeout)
@@ -264,10 +287,7 @@ def run(args: argparse.Namespace) -> int:
         if result.interrupted:
             interrupted = True
             break
-        step = judge(rate, result.records, slo)
-        steps.append(step)
-        if not step.met:
-            break
+        steps.append(judge(rate, result.records, slo))
     cap = capacity(steps)
     Console().print(table(steps, slo, args.model, args.url))
     if args.output:
