@@ -214,6 +214,39 @@ def test_traces_replay_lengths_arrivals_and_mooncake_prefixes(tok):
     assert len(moon) == 3993 and moon[0].hash_ids
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("t.csv", "time,in,out\n1,2,3\n",
+     "t.csv: an Azure 2023 CSV needs the columns TIMESTAMP, ContextTokens, GeneratedTokens; "
+     "TIMESTAMP, ContextTokens, GeneratedTokens missing"),
+    ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+     "2023-11-16 18:17:03.9799600,12,3\n2023-11-16 18:17:04.1,many,3\n",
+     "t.csv:3: a malformed request (invalid literal for int() with base 10: 'many')"),
+    ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,2\n",
+     "t.csv:2: a malformed request"),
+    ("t.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 1}\n\n{"timestamp": 9}\n',
+     "t.jsonl:3: a malformed request (no 'input_length')"),
+    ("t.jsonl", "{not json\n", "t.jsonl:1: a malformed request (Expecting property name"),
+    ("t.jsonl", "\n", "t.jsonl: empty trace"),
+])
+def test_a_bad_trace_names_its_line_and_what_is_wrong(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError) as err:
+        workload.read_trace(path)
+    assert str(err.value).startswith(str(tmp_path))
+    assert message in str(err.value)
+
+
+def test_a_trace_is_sorted_by_arrival_and_limited_in_file_order(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(f'{{"timestamp": {t}, "input_length": {n}, "output_length": 0}}\n'
+                            for t, n in ((2000, 1), (1000, 2), (5000, 3))))
+    rows = workload.read_trace(path)
+    assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in rows] == [
+        (0.0, 2, 1), (1.0, 1, 1), (4.0, 3, 1)]  # lengths at least 1
+    assert [r.input_tokens for r in workload.read_trace(path, limit=2)] == [2, 1]
+
+
 # --------------------------------------------------------------------------- SSE parsing
 
 

@@ -98,6 +98,7 @@ def test_a_model_the_server_does_not_serve_is_bad_input(worker_url, capsys):
 @pytest.mark.parametrize("content, message", [
     (None, "No such file"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n", "empty trace"),
+    ("ts,in,out\n1,2,3\n", "an Azure 2023 CSV needs the columns"),
 ])
 def test_a_bad_lengths_trace_is_bad_input(worker_url, tmp_path, capsys, content, message):
     trace = tmp_path / "lengths.csv"

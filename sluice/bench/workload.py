@@ -245,25 +245,58 @@ class TraceRow:
     hash_ids: tuple[int, ...] = ()
 
 
-def read_trace(path: str | Path) -> list[TraceRow]:
-    """Azure LLM inference 2023 CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or Mooncake
-    JSONL (timestamp ms, input_length, output_length, hash_ids); offsets from the first row."""
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
+    """An Azure LLM inference 2023 CSV (``.csv``: TIMESTAMP, ContextTokens, GeneratedTokens)
+    or a Mooncake JSONL trace (otherwise: timestamp in ms, input_length, output_length,
+    hash_ids); sorted by arrival, offsets from the first; lengths at least 1.
+
+    Args:
+        path: the trace file.
+        limit: read only the file's first ``limit`` requests.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: no requests, a missing column, or a malformed row (named by its line).
+    """
     path = Path(path)
-    if path.suffix == ".csv":
-        with open(path, newline="") as f:
-            rows = [(_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]),
-                     int(r["GeneratedTokens"]), ()) for r in csv.DictReader(f)]
-    else:
-        rows = []
-        for line in path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                rows.append((r["timestamp"] / 1000.0, int(r["input_length"]),
-                             int(r["output_length"]), tuple(r.get("hash_ids") or ())))
+    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
+    with open(path, newline="") as f:
+        if path.suffix == ".csv":
+            reader = csv.DictReader(f)
+            missing = [c for c in AZURE_COLUMNS if c not in (reader.fieldnames or ())]
+            if missing and reader.fieldnames:
+                raise ValueError(f"{path}: an Azure 2023 CSV needs the columns "
+                                 f"{', '.join(AZURE_COLUMNS)}; {', '.join(missing)} missing")
+            lines = ((reader.line_num, r) for r in reader)
+            parse = _azure_row
+        else:
+            lines = ((n, line) for n, line in enumerate(f, 1) if line.strip())
+            parse = _mooncake_row
+        for n, raw in itertools.islice(lines, limit):
+            try:
+                rows.append(parse(raw))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"{path}:{n}: a malformed request ({what})") from None
     if not rows:
         raise ValueError(f"{path}: empty trace")
+    rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
     return [TraceRow(t - t0, max(1, i), max(1, o), h) for t, i, o, h in rows]
+
+
+def _azure_row(r: dict) -> tuple[float, int, int, tuple[int, ...]]:
+    return _azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]), ()
+
+
+def _mooncake_row(line: str) -> tuple[float, int, int, tuple[int, ...]]:
+    r = json.loads(line)
+    return (r["timestamp"] / 1000.0, int(r["input_length"]), int(r["output_length"]),
+            tuple(r.get("hash_ids") or ()))
 
 
 def _azure_time(text: str) -> float:

@@ -15,17 +15,11 @@ share prefixes among themselves as the original requests do, not with each other
 
 from __future__ import annotations
 
-import csv
-import json
-import logging
 import random
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
-
-MOONCAKE_BLOCK_TOKENS = 512
+from sluice.bench.workload import MOONCAKE_BLOCK_TOKENS, read_trace
 
 
 @dataclass
@@ -56,38 +50,17 @@ class Trace:
 
 def load(path: str | Path, limit: int | None = None) -> Trace:
     """Read an Azure 2023 CSV or a Mooncake JSONL trace (by extension); ``limit``: the first
-    requests only.
+    requests only (``sluice.bench.workload.read_trace``).
 
     Raises:
-        ValueError: an unknown extension or a malformed row.
+        OSError: the file cannot be read.
+        ValueError: an unknown extension, no requests or a malformed row.
     """
-    path = Path(path)
-    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
-    if path.suffix == ".csv":
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                ts = row["TIMESTAMP"].strip()[:26]  # %f takes at most 6 fractional digits
-                rows.append((datetime.strptime(ts, "%Y-%m-%d %H:%M:%S.%f").timestamp(),
-                             int(row["ContextTokens"]), int(row["GeneratedTokens"]), ()))
-                if limit is not None and len(rows) >= limit:
-                    break
-    elif path.suffix == ".jsonl":
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    rows.append((r["timestamp"] / 1000.0, int(r["input_length"]),
-                                 int(r["output_length"]), tuple(r.get("hash_ids") or ())))
-                if limit is not None and len(rows) >= limit:
-                    break
-    else:
+    if Path(path).suffix not in (".csv", ".jsonl"):
         raise ValueError(f"{path}: unknown trace format (want .csv or .jsonl)")
-    if not rows:
-        raise ValueError(f"{path}: no requests")
-    rows.sort(key=lambda r: r[0])
-    t0 = rows[0][0]
-    return Trace([r[0] - t0 for r in rows], [max(1, r[1]) for r in rows],
-                 [max(1, r[2]) for r in rows], [r[3] for r in rows])
+    rows = read_trace(path, limit)
+    return Trace([r.arrival_s for r in rows], [r.input_tokens for r in rows],
+                 [r.output_tokens for r in rows], [r.hash_ids for r in rows])
 
 
 def scale(trace: Trace, k: int, seed: int = 0) -> Trace:
