@@ -284,7 +284,8 @@ def profile_capacity(worker_url: str, model: str, rows: Sequence[workload.TraceR
             worker_url, "--model", model, "--slo-ttft-ms", str(slo["ttftMs"]), "--slo-itl-ms",
             str(slo["itlMs"]), "--percentile", str(slo["percentile"]),
             "--lengths-from", str(lengths), "--rates", args.profile_rates,
-            "--duration", str(args.profile_duration), "--min-requests", str(args.profile_min_requests), "--output", str(out)]
+            "--duration", str(args.profile_duration),
+            "--min-requests", str(args.profile_min_requests), "--output", str(out)]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     print(proc.stdout, end="")
     if proc.returncode != 0:

@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         tok = workload.Tokenizer(workload.resolve_tokenizer(args.tokenizer, args.model))
         builder = workload.PromptBuilder(tok)
         rows = workload.read_trace(args.lengths_from) if args.lengths_from else []
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"sluice profile: {exc}", file=sys.stderr)
         return 2
     slo = Objectives(args.slo_ttft_ms, args.slo_itl_ms, args.percentile)

@@ -246,7 +246,6 @@ class TraceRow:
 
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
