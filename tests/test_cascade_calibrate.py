@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -204,6 +205,47 @@ def test_record_asks_each_tier_once_and_resumes(tmp_path):
     again = recorder.record(items, TIERS, "http://router", "coder", out, client=client,
                             progress=False)
     assert (again.recorded, again.skipped, len(asked)) == (0, 4, 4)
+
+
+def test_record_in_blocks_sends_a_block_to_one_tier_at_once(tmp_path):
+    """batch=2: each tier gets a block's two items together (the handler waits until both
+    are in flight), every tier answers a block before the next block; a resume after a
+    partial block asks only what is missing; batch 0 is refused."""
+    items = arithmetic_problems(3, seed=2, steps=2, max_value=20)
+    both_in_flight = threading.Barrier(2, timeout=10)
+    asked, resuming = [], False
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        tier = request.headers["x-sluice-cascade"]
+        item = next(i for i in items if i.prompt == body["messages"][0]["content"])
+        asked.append((item.id, tier))
+        if not resuming and item is not items[2]:  # the last block holds one item
+            both_in_flight.wait()
+        content = [{"token": "x", "logprob": -0.1, "top_logprobs": []}]
+        return httpx.Response(200, headers={"x-sluice-tier": tier}, json={
+            "choices": [{"message": {"content": f"Answer: {item.answer}"},
+                         "logprobs": {"content": content}}],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 1}})
+
+    out = tmp_path / "r.jsonl"
+    client = httpx.Client(transport=httpx.MockTransport(answer))
+    summary = recorder.record(items, TIERS, "http://router", "coder", out, client=client,
+                              batch=2, progress=False)
+    assert (summary.recorded, summary.failed, summary.correct) == (6, 0, {"small": 3, "big": 3})
+    a, b, c = (i.id for i in items)
+    pairs = [(r.id, r.tier) for r in load_records(out)]
+    assert pairs == [(a, "small"), (b, "small"), (a, "big"), (b, "big"), (c, "small"),
+                     (c, "big")]
+    out.write_text("".join(line + "\n" for line in out.read_text().splitlines()[:3]))
+    asked.clear()
+    resuming = True
+    again = recorder.record(items, TIERS, "http://router", "coder", out, client=client,
+                            batch=2, progress=False)
+    assert (again.recorded, again.skipped) == (3, 3)
+    assert asked == [(b, "big"), (c, "small"), (c, "big")]
+    with pytest.raises(ValueError, match="--batch 0"):
+        recorder.record(items, TIERS, "http://router", "coder", out, client=client, batch=0)
 
 
 def mixed(n: int = 40) -> list[Record]:

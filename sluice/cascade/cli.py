@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rec.add_argument("--max-tokens", type=int, default=None,
                      help="completion tokens per answer, every kind (default: 384 for "
                      "arithmetic, 512 for code)")
+    rec.add_argument("--batch", type=int, default=1,
+                     help="items sent to a tier at once, answered in one continuous batch "
+                     "(default 1; 8 records several times faster on CPU)")
     rec.add_argument("--out", default="records.jsonl", help="JSONL, appended to")
 
     cal = sub.add_parser("calibrate", help="the threshold for a target top-tier share, "
@@ -93,7 +96,8 @@ def record(args: argparse.Namespace) -> int:
         limits = None if args.max_tokens is None else dict.fromkeys(
             recorder.MAX_TOKENS, args.max_tokens)
         summary = recorder.record(items, args.tiers, args.url, args.cascade, args.out,
-                                  max_tokens=limits, timeout_s=args.timeout)
+                                  max_tokens=limits, timeout_s=args.timeout,
+                                  batch=args.batch)
     except (ValueError, ImportError, recorder.RecordError) as e:
         print(f"sluice cascade record: {e}", file=sys.stderr)
         return 2
