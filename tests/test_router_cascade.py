@@ -191,7 +191,7 @@ def test_a_client_that_leaves_aborts_the_running_tier(router, worker_url, qwen_w
 def test_readme_cascade_commands_under_sluice_up(tmp_path):
     """README's cascade section, as written: `sluice up -f examples/cascade.yaml`, its curl
     (the answer names its tier), then `sluice cascade record` of four arithmetic problems
-    through that router (answers cut at 48 tokens: the plumbing is under test, not the
+    (one block of four per tier) through that router (answers cut at 48 tokens: the plumbing is under test, not the
     models) and `sluice cascade calibrate` on what it recorded."""
     import re
     import subprocess
@@ -217,7 +217,7 @@ def test_readme_cascade_commands_under_sluice_up(tmp_path):
         record = subprocess.run([*cli, "record", "--url", up.url, "--cascade", "coder",
                                  "--tiers", "smollm2,qwen-coder", "--set", "arithmetic",
                                  "--sample", "4", "--steps", "2", "--max-value", "20", "--max-tokens", "48",
-                                 "--out", str(records)], capture_output=True, text=True,
+                                 "--batch", "4", "--out", str(records)], capture_output=True, text=True,
                                 timeout=1200)
         assert record.returncode == 0, record.stderr[-3000:]
         lines = [json.loads(line) for line in records.read_text().splitlines()]

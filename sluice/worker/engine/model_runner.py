@@ -51,11 +51,8 @@ class ModelRunner:
             model = LlamaForCausalLM(hf_config, max_model_len, device="meta")
         finally:
             torch.set_default_dtype(torch.float32)
-        model = model.to_empty(device=self.device)
         model.rotary.to(self.device)
-        if hf_config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.load_weights(model_dir)
+        model.load_weights(model_dir, self.device)
         if quantization == "int8":
             from sluice.worker.engine.quant import quantize_int8
 

@@ -166,7 +166,8 @@ class LlamaForCausalLM(nn.Module):
         config: the HF config (``transformers.AutoConfig``) of a Llama or Qwen2 checkpoint.
         max_positions: largest position the rotary tables cover (the context length).
         device: where the parameters are created: "meta" builds the model without
-            allocating or initializing them (``to_empty``, then ``load_weights``). Passed to
+            allocating or initializing them (then ``load_weights`` puts the loaded tensors
+            in their place). Passed to
             each module rather than set with ``with torch.device(...)``, whose function mode
             imports ``torch._dynamo`` (1-2 s of a worker's boot).
     """
@@ -201,8 +202,13 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] → logits [N, vocab] in fp32."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, model_dir: Path) -> None:
+    def load_weights(self, model_dir: Path, device: torch.device) -> None:
         """Load HF-named safetensors shards, fusing q/k/v and gate/up.
+
+        Each parameter (on the meta device until now, giving the shape and dtype) is replaced
+        by the loaded tensor, cast to that dtype and moved to ``device``: a tensor already
+        there in that dtype is kept as loaded, without allocating the model first and copying
+        every weight (``to_empty`` + ``copy_`` took a third of a small model's boot).
 
         Raises:
             ValueError: a shard is unreadable, or a weight is missing or mis-shaped (the
@@ -225,15 +231,18 @@ class LlamaForCausalLM(nn.Module):
             names = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
             if all(n in weights for n in names):
                 weights[f"{p}mlp.gate_up_proj.weight"] = torch.cat([weights.pop(n) for n in names])
-        with torch.no_grad():
-            for name, param in params.items():
-                key = name if name == "lm_head.weight" else f"model.{name}"
-                if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                    continue
-                tensor = weights.get(key)
-                if tensor is None:
-                    raise ValueError(f"weight {key} is missing from {model_dir}")
-                if tensor.shape != param.shape:
-                    raise ValueError(f"weight {key} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(param.shape)}")
-                param.copy_(tensor)
+        for name, param in params.items():
+            key = name if name == "lm_head.weight" else f"model.{name}"
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            tensor = weights.get(key)
+            if tensor is None:
+                raise ValueError(f"weight {key} is missing from {model_dir}")
+            if tensor.shape != param.shape:
+                raise ValueError(f"weight {key} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            module, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(module), attr, nn.Parameter(
+                tensor.to(device=device, dtype=param.dtype), requires_grad=False))
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
