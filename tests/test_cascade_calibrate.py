@@ -184,6 +184,7 @@ def test_record_asks_each_tier_once_and_resumes(tmp_path):
         asked.append((body["messages"][0]["content"], tier))
         assert (body["model"], body["temperature"], body["logprobs"]) == ("coder", 0, True)
         assert body["max_tokens"] == 384
+        assert request.headers["x-slo-ttft-ms"] == "60000"  # the batch job's lax objective
         item = next(i for i in items if i.prompt == body["messages"][0]["content"])
         text = f"Answer: {item.answer + (tier == 'small')}"  # small is off by one
         content = [{"token": "x", "logprob": -0.5, "top_logprobs": [{"token": "x",

@@ -270,11 +270,14 @@ class Worker(FakeWorker):
     (``health = "hang"``) or answers ``health_body``; a plain JSON answer with ``usage``
     for ``stream: false``, and a usage chunk for ``include_usage``; ``stale``: a connection's
     second request is closed unanswered (the keep-alive running out as it was written);
-    prompt ``stall``: one token, then nothing."""
+    prompt ``stall``: one token, then nothing; ``generating``: each /metrics scrape shows
+    more output tokens (a busy worker)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[dict[str, str]] = []
+        self.generating = False
+        self.generated = 0
         self.health_body = '{"status": "ok"}'
         self.stale = False
         self.usage = {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
@@ -323,6 +326,9 @@ class Worker(FakeWorker):
         elif path == "/v1/models":
             body, status = json.dumps({"object": "list", "data": [
                 {"id": MODEL, "object": "model", "max_model_len": 2048}]}), 200
+        elif path == "/metrics" and self.generating:
+            self.generated += 5
+            body, status = f"{names.GENERATION_TOKENS} {self.generated}.0\n", 200
         else:
             body, status = "", 200
         writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
@@ -640,6 +646,23 @@ def test_a_first_byte_timeout_ejects_the_worker_and_its_other_requests_move():
         third = r3.result()
         assert third.status_code == 200 and b.posts == 2
         assert samples(url, names.ROUTER_EJECTIONS)['{reason="timeout"}'] == 1
+
+
+def test_a_first_byte_timeout_on_a_worker_still_generating_ends_only_that_request():
+    """A long plain answer on a busy worker (its output-token count grows between polls):
+    the request's first-byte timeout is its 504, the worker stays ready, its other request
+    is answered there, and nothing counts as an ejection."""
+    with workers(1) as (a,), router([a], "--first-byte-timeout", "3") as url, \
+            ThreadPoolExecutor(2) as pool:
+        a.generating = True
+        long = pool.submit(complete, url, "hang", 60)
+        assert wait_until(lambda: a.posts == 1, 10)
+        slow = pool.submit(complete, url, "slow:1", 60)
+        first = long.result()
+        assert answer(first)[0] == 504 and first.json()["error"]["code"] == "upstream_timeout"
+        assert ready_workers(url) == [a.url]
+        assert slow.result().status_code == 200 and a.posts == 2
+        assert samples(url, names.ROUTER_EJECTIONS) == {}
 
 
 def test_a_stream_that_stalls_ejects_its_worker():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -118,11 +119,9 @@ class WorkerLoad:
         values: dict[str, float] = {}
         for name in (names.NUM_RUNNING, names.NUM_WAITING, names.KV_CACHE_USAGE,
                      names.QUEUED_PREFILL_TOKENS):
-            found = _SAMPLE.get(name) or _SAMPLE.setdefault(name, re.compile(
-                rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", re.M))
-            total = [float(v) for v in found.findall(text)]
-            if total:
-                values[name] = sum(total)
+            total = sample_total(text, name)
+            if total is not None:
+                values[name] = total
         if names.NUM_RUNNING not in values:
             return None
         return cls(values[names.NUM_RUNNING], values.get(names.NUM_WAITING, 0.0),
@@ -131,6 +130,15 @@ class WorkerLoad:
 
 
 _SAMPLE: dict[str, re.Pattern[str]] = {}
+
+
+def sample_total(text: str, name: str) -> float | None:
+    """The sum of metric ``name``'s samples (over all label sets) in a Prometheus text
+    scrape, or None when it has none."""
+    found = _SAMPLE.get(name) or _SAMPLE.setdefault(name, re.compile(
+        rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", re.M))
+    values = [float(v) for v in found.findall(text)]
+    return sum(values) if values else None
 
 
 @dataclass
@@ -154,6 +162,9 @@ class Endpoint:
         drain: the observed rate at which it works off its prefill (``Lease`` feeds it).
         unanswered: requests sent here with no byte back yet (each removes itself when its
             first byte comes or it ends): what an ejection sends elsewhere.
+        generated: the worker's output tokens so far (its ``vllm:generation_tokens_total``,
+            last scrape).
+        generated_at: ``time.monotonic()`` of the last scrape that found ``generated`` grown.
     """
 
     url: str
@@ -170,6 +181,8 @@ class Endpoint:
     latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
     drain: DrainMeter = field(default_factory=DrainMeter, repr=False, compare=False)
     unanswered: set[Unanswered] = field(default_factory=set, repr=False, compare=False)
+    generated: float = 0.0
+    generated_at: float = -math.inf
 
     def summary(self) -> dict[str, Any]:
         return {"url": self.url, "ready": self.ready and self.listed, "listed": self.listed,
@@ -373,6 +386,12 @@ class EndpointSet:
                            "cascade": list(cascade.policy.tiers)}
         return [union[k] for k in sorted(union)]
 
+    def generating(self, endpoint: Endpoint) -> bool:
+        """Did ``endpoint``'s output-token count grow within the last few polls? A worker
+        that is slow to answer one request but still generating is busy, not wedged."""
+        window = 2 * self.poll_interval + self.poll_timeout
+        return time.monotonic() - endpoint.generated_at <= window
+
     def mark_down(self, endpoint: Endpoint, reason: str) -> None:
         """Stop routing to ``endpoint`` until a poll finds it healthy again."""
         if endpoint.ready:
@@ -474,6 +493,9 @@ class EndpointSet:
             report = WorkerLoad.from_metrics(scrape.text, time.monotonic())
             if report is not None:
                 endpoint.reported = report
+            generated = sample_total(scrape.text, names.GENERATION_TOKENS)
+            if generated is not None and generated > endpoint.generated:
+                endpoint.generated, endpoint.generated_at = generated, time.monotonic()
         ready = health.status_code == 200
         if ready != endpoint.ready:
             logger.info("worker %s is %s (models: %s)", endpoint.url,

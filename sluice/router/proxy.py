@@ -116,7 +116,10 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
 
     The first body chunk (or the whole body of a plain answer) is awaited here, within
     ``first_byte_timeout``, so a worker that dies before answering can still be replaced;
-    so can one that is ejected meanwhile (``EndpointSet.eject``). A timeout ejects it.
+    so can one that is ejected meanwhile (``EndpointSet.eject``). A timeout is a 504; it
+    ejects the worker unless the worker is still generating (``EndpointSet.generating``):
+    a long plain answer on a busy worker is that request's timeout, and ejecting the
+    worker would send its other unanswered requests away to start over.
 
     Raises:
         TryElsewhere: no connection, a 503, a connection that broke before any byte, or
@@ -170,7 +173,12 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
         exchange.on_complete(counted=False)
         raise TryElsewhere(f"connect failed: {exc}", refused=True, kind="refused") from exc
     except _TIMEOUTS as exc:
-        state.endpoints.eject(endpoint, "timeout", f"no answer in time ({type(exc).__name__})")
+        if state.endpoints.generating(endpoint):
+            logger.warning("no answer from %s in time; it is still generating, so only this "
+                           "request ends", endpoint.url)
+        else:
+            state.endpoints.eject(endpoint, "timeout",
+                                  f"no answer in time ({type(exc).__name__})")
         exchange.status = 504
         return openai_error(504, f"worker {endpoint.url} did not answer in time "
                             f"({type(exc).__name__})", "server_error", code="upstream_timeout")
