@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -140,6 +141,17 @@ def test_slo_miss_under_load_lowers_the_capacity_estimate_and_adds_a_replica():
     assert decision.attainment == pytest.approx(10 / 18)
 
 
+def test_a_slo_miss_adds_one_replica_and_waits_for_it():
+    """Misses under load add one replica; while it starts, further misses add none (one per
+    tick while replicas started is the 2 -> 4 -> 8 -> 16 spiral again: in the simulator, at
+    a 90 s boot, it took one replica to 20, a 2 s tick at a time)."""
+    miss = Observation(5.0, arrivals=18, ttft_met=10, ttft_total=18, ready=2)
+    first = recommend(miss, State.initial(2, CFG, now=0.0), CFG, 5.0)
+    again = recommend(replace(miss, starting=1), first.state, CFG, 10.0)
+    assert (first.replicas, first.reason) == (3, "slo-miss")
+    assert (again.replicas, again.reason) == (3, "steady")
+
+
 def test_misses_of_a_fleet_known_to_be_short_leave_the_estimate_alone():
     """Misses while replicas are still starting, or while each ready replica carries more
     than the estimate, are explained by the fleet's size, not by its capacity: lowering
@@ -160,6 +172,18 @@ def test_slo_met_with_margin_under_load_raises_the_estimate():
     # at low load the estimate does not move
     low = Observation(5.0, arrivals=10, ttft_met=10, ttft_total=10, ready=2)
     assert recommend(low, state, CFG, 5.0).capacity_rps == pytest.approx(2.0)
+
+
+def test_one_busy_window_is_not_load_to_learn_capacity_from():
+    """Load is the smoothed rate: at a steady 2 rps over 2 replicas (half the estimate
+    each), SLO met, a window of 17 arrivals (1.7 rps each: Poisson noise) leaves the
+    estimate alone. Counting such windows as load, while the decayed attainment still
+    held the calm before them, raised the estimate by chance, step after step, to twice
+    the truth on the simulator's conversation trace."""
+    calm = [steady(2, 2, ttft_met=10, ttft_total=10)] * 12
+    state = run(CFG, State.initial(2, CFG, 0.0), calm)[-1].state
+    busy = Observation(5.0, arrivals=17, ttft_met=17, ttft_total=17, ready=2)
+    assert recommend(busy, state, CFG, 65.0).capacity_rps == pytest.approx(2.0)
 
 
 def test_a_rising_rate_is_forecast_over_the_boot_time():

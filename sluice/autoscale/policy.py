@@ -265,7 +265,7 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     forecast = max(0.0, level + trend * config.boot_s)
     slo_met, slo_total = _attainment(state, obs)
     attainment = slo_met / slo_total if slo_total else None
-    capacity, missed = _corrected_capacity(state, config, obs, rate, attainment, slo_total)
+    capacity, missed = _corrected_capacity(state, config, obs, level, attainment, slo_total)
     backlog = obs.queued + obs.held + obs.rejected
     horizon = max(config.drain_s, config.boot_s)
     backlog_rps = backlog / horizon
@@ -273,7 +273,7 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     raw = math.ceil(demand / capacity - 1e-9)
     if backlog and raw > obs.ready + obs.starting:
         reason = "burst"
-    elif missed:
+    elif missed and not obs.starting:  # one at a time: a starting replica is on the way
         raw, reason = max(raw, state.replicas + 1), "slo-miss"
     else:
         reason = "forecast" if forecast > level else "load"
@@ -343,12 +343,16 @@ def _attainment(state: State, obs: Observation) -> tuple[float, float]:
     return met, state.slo_total * decay + samples
 
 
-def _corrected_capacity(state: State, config: Config, obs: Observation, rate: float,
+def _corrected_capacity(state: State, config: Config, obs: Observation, level: float,
                         attainment: float | None, samples: float) -> tuple[float, bool]:
     """The capacity estimate after this window, and whether the SLO is being missed under
     load (a reason to add a replica now).
 
-    Only load near the estimate teaches anything: a miss at low load is not a capacity
+    Only load near the estimate teaches anything, and load is the smoothed arrival rate
+    (``level``): one busy window's rate is Poisson noise, and counting it as load while
+    the decayed attainment still reflects the calmer seconds before it raised the
+    estimate by chance, step after step (to twice the truth on the conversation trace,
+    then a consolidation to one replica). A miss at low load is not a capacity
     problem (a long prompt, a cold cache), and meeting the SLO at low load says nothing
     about the limit. Nor does a miss of a fleet known to be short: replicas still starting,
     or more load per ready replica than the estimate (the answer there is more replicas,
@@ -358,7 +362,7 @@ def _corrected_capacity(state: State, config: Config, obs: Observation, rate: fl
     scale with the window (``CAPACITY_STEP_*`` per 10 s).
     """
     capacity = state.capacity_rps
-    per_replica = rate / max(1, obs.ready)
+    per_replica = level / max(1, obs.ready)
     now_fraction, _ = obs.attainment()
     if attainment is None or samples < config.min_samples:
         return capacity, False

@@ -123,15 +123,16 @@ class Sluice:
     """The production policy (``recommend``) with the local driver's 2 s interval.
 
     Knobs: cap (× the calibrated capacity_rps), zero (1: scale to zero after idle_s),
-    down (scale-down stabilisation, s).
+    down (scale-down stabilisation, s), margin (``Config.down_margin``).
     """
 
     interval_s = 2.0
 
     def __init__(self, ctx: Context, cap: float = 1.0, zero: float = 0, down: float = 300.0,
-                 idle: float = 300.0):
+                 idle: float = 300.0, margin: float = Config.down_margin):
         self.config = Config(min_replicas=0 if zero else 1, max_replicas=ctx.max_replicas,
                              scale_to_zero=bool(zero), idle_s=idle, scale_down_window_s=down,
+                             down_margin=margin,
                              capacity_rps=ctx.capacity_rps * cap,
                              attainment_target=ctx.attainment_target, boot_s=ctx.boot_s)
         self.state: State | None = None
