@@ -6,7 +6,8 @@ bench/results/cascade_records.jsonl so anyone (and CI) can replay it. Figures:
 
 - each tier alone, per kind (arithmetic, code): accuracy; and the kinds where a smaller tier
   beats the top one;
-- per signal (logprob quantile at q = 0.05, 0.1, 0.25; min logprob; mean logprob), the curve
+- per signal (logprob quantile at q = 0.05, 0.1, 0.25; min logprob; mean logprob; and
+  ``examples``: q = 0.1 with code that fails its prompt's ``>>>`` examples sent up), the curve
   of accuracy and compute against the share of requests answered by the top tier, one point
   per candidate threshold, over all items (the PNG);
 - held-out: for targets 0.2 / 0.3 / 0.4 of top-tier share, 20 random halves, threshold
@@ -43,6 +44,7 @@ SIGNALS = {  # label → (signal, quantile)
     "q0.25": ("logprob-quantile", 0.25),
     "min": ("min-logprob", 0.1),
     "mean": ("mean-logprob", 0.1),
+    "examples": ("code-examples", 0.1),  # q0.1, and code failing its prompt's examples
 }
 DEFAULT = "q0.1"  # spec.cascade.escalation's defaults
 TARGETS = {"accuracy": 0.95, "top_share": 0.40, "cost": 0.75}

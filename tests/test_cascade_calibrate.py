@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -18,7 +19,7 @@ from sluice.api.service import CascadeSpec
 from sluice.cascade import recorder
 from sluice.cascade.calibrate import (Record, Replay, fit_pre_route, held_out, simulate,
                                       snippet, threshold_for_share)
-from sluice.cascade.evalset import arithmetic_problems
+from sluice.cascade.evalset import arithmetic_problems, examples_pass, prompt_examples
 from sluice.cascade.policy import FEATURES, Scores, answer_scores
 from sluice.cascade.preroute import solve
 from sluice.cascade.records import done_pairs, load_records
@@ -172,6 +173,19 @@ def test_done_pairs_lists_what_a_resumed_recording_skips(tmp_path):
     assert path.read_text().endswith('"corr\n')
 
 
+def sse(tier: str, texts: list[str], contents: list[list[dict]], usage: dict,
+        end: str = "data: [DONE]\n\n") -> httpx.Response:
+    """A chat completion stream from ``tier``: one chunk per text (with its logprob
+    entries), a usage chunk, then ``end``."""
+    chunks = [{"choices": [{"index": 0, "delta": {"content": text},
+                            "logprobs": {"content": content}}]}
+              for text, content in zip(texts, contents)]
+    chunks.append({"choices": [], "usage": usage})
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + end
+    return httpx.Response(200, headers={"x-sluice-tier": tier,
+                                        "content-type": "text/event-stream"}, text=body)
+
+
 def test_record_asks_each_tier_once_and_resumes(tmp_path):
     """The request's shape, the line written, and a rerun that asks nothing (an in-process
     httpx transport; no server)."""
@@ -186,12 +200,12 @@ def test_record_asks_each_tier_once_and_resumes(tmp_path):
         assert body["max_tokens"] == 384
         assert request.headers["x-slo-ttft-ms"] == "60000"  # the batch job's lax objective
         item = next(i for i in items if i.prompt == body["messages"][0]["content"])
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         text = f"Answer: {item.answer + (tier == 'small')}"  # small is off by one
         content = [{"token": "x", "logprob": -0.5, "top_logprobs": [{"token": "x",
                                                                      "logprob": -0.5}]}] * 3
-        return httpx.Response(200, headers={"x-sluice-tier": tier}, json={
-            "choices": [{"message": {"content": text}, "logprobs": {"content": content}}],
-            "usage": {"prompt_tokens": 50, "completion_tokens": 3}})
+        return sse(tier, [text[:3], text[3:]], [content[:1], content[1:]],
+                   {"prompt_tokens": 50, "completion_tokens": 3})
 
     out = tmp_path / "r.jsonl"
     client = httpx.Client(transport=httpx.MockTransport(answer))
@@ -206,6 +220,27 @@ def test_record_asks_each_tier_once_and_resumes(tmp_path):
     again = recorder.record(items, TIERS, "http://router", "coder", out, client=client,
                             progress=False)
     assert (again.recorded, again.skipped, len(asked)) == (0, 4, 4)
+
+
+def test_a_stream_that_breaks_is_retried_then_left_out(tmp_path):
+    """An error event, or a stream cut before [DONE]: the pair is asked again, and left
+    out (for a rerun) after the retries; nothing is written for it."""
+    items = arithmetic_problems(1, seed=3, steps=2, max_value=20)
+    ends = iter(['data: {"error": {"message": "worker lost"}}\n\n', "", "data: [DONE]\n\n"])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        content = [{"token": "x", "logprob": -0.1, "top_logprobs": []}]
+        return sse("small", [f"Answer: {items[0].answer}"], [content],
+                   {"prompt_tokens": 9, "completion_tokens": 1}, end=next(ends))
+
+    out = tmp_path / "r.jsonl"
+    client = httpx.Client(transport=httpx.MockTransport(answer))
+    left = recorder.record(items, ["small"], "http://router", "coder", out, client=client,
+                           retries=1, progress=False)
+    assert (left.recorded, left.failed) == (0, 1) and not out.read_text()
+    again = recorder.record(items, ["small"], "http://router", "coder", out, client=client,
+                            retries=0, progress=False)
+    assert (again.recorded, again.correct) == (1, {"small": 1})
 
 
 def test_record_in_blocks_sends_a_block_to_one_tier_at_once(tmp_path):
@@ -224,10 +259,8 @@ def test_record_in_blocks_sends_a_block_to_one_tier_at_once(tmp_path):
         if not resuming and item is not items[2]:  # the last block holds one item
             both_in_flight.wait()
         content = [{"token": "x", "logprob": -0.1, "top_logprobs": []}]
-        return httpx.Response(200, headers={"x-sluice-tier": tier}, json={
-            "choices": [{"message": {"content": f"Answer: {item.answer}"},
-                         "logprobs": {"content": content}}],
-            "usage": {"prompt_tokens": 9, "completion_tokens": 1}})
+        return sse(tier, [f"Answer: {item.answer}"], [content],
+                   {"prompt_tokens": 9, "completion_tokens": 1})
 
     out = tmp_path / "r.jsonl"
     client = httpx.Client(transport=httpx.MockTransport(answer))
@@ -294,7 +327,7 @@ def test_bench_cascade_writes_its_json(tmp_path):
     assert {"tier_accuracy", "tier_relative_cost", "curves", "held_out", "pre_route",
             "verdict", "smaller_tier_better_at"} <= set(result)
     assert result["tiers"] == ["small", "big"]  # the file's order
-    assert set(result["curves"]) == {"q0.05", "q0.1", "q0.25", "min", "mean"}
+    assert set(result["curves"]) == {"q0.05", "q0.1", "q0.25", "min", "mean", "examples"}
     assert set(result["held_out"]["q0.1"]) == {"0.2", "0.3", "0.4"}
     assert result["tier_accuracy"]["code"]["big"] == 0.8  # 9, 19, 29, 39 are code
     assert out.with_suffix(".png").stat().st_size > 10_000
@@ -311,3 +344,45 @@ def test_spread_leaves_out_undefined_splits():
 
     assert Spread.of([1.0, math.inf, 3.0]) == Spread(2.0, math.sqrt(2.0), 1.0, 3.0)
     assert Spread.of([math.inf, math.inf]) == Spread(math.inf, 0.0, math.inf, math.inf)
+
+
+STUB = '''```python
+from typing import List
+
+
+def below(numbers: List[int], limit: int) -> bool:
+    """Are all numbers below limit?
+    >>> below([1, 2], 3)
+    True
+    >>> below([1, 5], 3) == False
+    >>> below([], 0)
+    True
+    """
+```'''
+RIGHT = ("Here:\n```python\ndef below(numbers: List[int], limit: int) -> bool:\n"
+         "    return all(n < limit for n in numbers)\n```")
+
+
+def test_examples_pass_runs_the_answers_code_on_the_prompts_examples():
+    """The code-execution signal: the prompt's stub (its import) then the answer's code,
+    each >>> example compared by value (or True when written as `== y`); a wrong answer,
+    an answer without code, or one that never returns fails; no examples is None."""
+    assert prompt_examples(STUB) == [("below([1, 2], 3)", "True"),
+                                     ("below([1, 5], 3) == False", ""), ("below([], 0)", "True")]
+    assert examples_pass(STUB, RIGHT) is True
+    assert examples_pass(STUB, RIGHT.replace("n < limit", "n <= limit")) is True  # examples miss it
+    assert examples_pass(STUB, RIGHT.replace("all(", "any(")) is False
+    assert examples_pass(STUB, "I cannot write that.") is False
+    assert examples_pass(STUB, "```python\ndef below(n, l):\n    while True: pass\n```",
+                         timeout_s=2) is False
+    assert examples_pass("Add 2 and 3.", RIGHT) is None
+
+
+def test_the_code_examples_signal_sends_failing_code_up():
+    failing = replace(rec("c", "small", False, -0.1, "code"), examples=False)
+    passing = replace(failing, examples=True)
+    assert failing.score("code-examples") == -100.0
+    assert passing.score("code-examples") == passing.score("logprob-quantile") == \
+        pytest.approx(-0.1)
+    assert Record.from_json(failing.to_json()).examples is False
+    assert Record.from_json({**passing.to_json(), "examples": None}).examples is None

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from sluice.cascade.policy import FEATURES, SIGNALS
 from sluice.cascade.preroute import PreRoute, fit_logistic
-from sluice.cascade.records import DEFAULT_QUANTILE, Record, done_pairs, load_records
+from sluice.cascade.records import (DEFAULT_QUANTILE, REPLAY_SIGNALS, Record, done_pairs,
+                                    load_records)
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,9 @@ class Replay:
             ValueError: an unknown signal, fewer than 2 tiers, or costs not one positive
                 number per tier.
         """
-        if signal not in SIGNALS:
-            raise ValueError(f"signal {signal!r} is not one of {', '.join(SIGNALS)}")
+        if signal not in SIGNALS + REPLAY_SIGNALS:
+            raise ValueError(f"signal {signal!r} is not one of "
+                             f"{', '.join(SIGNALS + REPLAY_SIGNALS)}")
         if len(tiers) < 2:
             raise ValueError(f"a cascade has at least 2 tiers, got {list(tiers)}")
         costs = tuple(costs) if costs is not None else tuple(2.0 ** i for i in range(len(tiers)))

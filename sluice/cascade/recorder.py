@@ -1,8 +1,8 @@
 """Record every tier's answer to every item of the eval set, through the router (resumable).
 
 Each tier is forced with ``x-sluice-cascade: <tier>`` (so the router's cascade serves it from
-that tier alone, no escalation), greedy (temperature 0), with token logprobs and the top-5
-alternatives asked for. Each answer is checked (``evalset.check``), scored
+that tier alone, no escalation), greedy (temperature 0), streamed, with token logprobs and
+the top-5 alternatives asked for. Each answer is checked (``evalset.check``), scored
 (``policy.answer_scores``) and appended as one JSONL line (``sluice.cascade.records``),
 flushed at once. A rerun skips the (item, tier) pairs the file already holds, so a killed
 recording resumes where it stopped.
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from sluice.cascade.evalset import Item, arithmetic_problems, check, humaneval_problems
+from sluice.cascade.evalset import (Item, arithmetic_problems, check, examples_pass,
+                                    humaneval_problems)
 from sluice.cascade.policy import answer_scores
 from sluice.cascade.records import DEFAULT_QUANTILE, Record, done_pairs
 
@@ -181,9 +182,12 @@ def record(items: Sequence[Item], tiers: Sequence[str], base_url: str, model: st
 
 def _ask(client: httpx.Client, base_url: str, model: str, item: Item, tier: str,
          max_tokens: int, quantile: float, retries: int) -> Record | None:
+    # streamed: a long answer on a slow tier is not bound by the router's deadline for a
+    # plain answer's whole body (``first_byte_timeout``), only by the gap between chunks
     body = {"model": model, "messages": [{"role": "user", "content": user_message(item)}],
             "temperature": 0, "max_tokens": max_tokens, "logprobs": True,
-            "top_logprobs": TOP_LOGPROBS}
+            "top_logprobs": TOP_LOGPROBS, "stream": True,
+            "stream_options": {"include_usage": True}}
     url = base_url.rstrip("/") + "/v1/chat/completions"
     # a batch job: a lax TTFT objective, so the router's SLO gate sends a block at once
     # instead of queueing its requests behind each other's prefill (past its queue
@@ -192,12 +196,15 @@ def _ask(client: httpx.Client, base_url: str, model: str, item: Item, tier: str,
     for attempt in range(retries + 1):
         start = time.monotonic()
         try:
-            response = client.post(url, json=body, headers=headers)
-        except httpx.HTTPError as e:
+            with client.stream("POST", url, json=body, headers=headers) as response:
+                if response.status_code == 200:
+                    answer = _read_stream(response)
+                    return _parse(item, tier, response.headers, answer,
+                                  time.monotonic() - start, quantile)
+                response.read()
+        except (httpx.HTTPError, _StreamError) as e:
             problem = f"{type(e).__name__}: {e}"
         else:
-            if response.status_code == 200:
-                return _parse(item, tier, response, time.monotonic() - start, quantile)
             if 400 <= response.status_code < 500 and response.status_code != 429:
                 raise RecordError(f"{item.id} on {tier}: HTTP {response.status_code}: "
                                   f"{response.text[:500]}")
@@ -210,25 +217,50 @@ def _ask(client: httpx.Client, base_url: str, model: str, item: Item, tier: str,
     return None
 
 
-def _parse(item: Item, tier: str, response: httpx.Response, seconds: float,
+class _StreamError(Exception):
+    """The stream carried an error event, or ended without ``[DONE]``."""
+
+
+def _read_stream(response: httpx.Response) -> dict:
+    """A chat completion stream's events joined into one answer: ``{"text", "logprobs"
+    (the tokens' entries), "usage"}``.
+
+    Raises:
+        _StreamError: an error event, or no ``[DONE]``.
+    """
+    text, logprobs, usage = [], [], {}
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return {"text": "".join(text), "logprobs": logprobs, "usage": usage}
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise _StreamError(str(event["error"].get("message", event["error"]))[:200])
+        usage = event.get("usage") or usage
+        for choice in event.get("choices") or ():
+            text.append((choice.get("delta") or {}).get("content") or "")
+            logprobs += (choice.get("logprobs") or {}).get("content") or ()
+    raise _StreamError("the stream ended without [DONE]")
+
+
+def _parse(item: Item, tier: str, headers: httpx.Headers, answer: dict, seconds: float,
            quantile: float) -> Record:
-    answered_by = response.headers.get("x-sluice-tier")
+    answered_by = headers.get("x-sluice-tier")
     if answered_by is not None and answered_by != tier:
         raise RecordError(f"asked tier {tier!r}, {answered_by!r} answered: is {HEADER} honoured?")
-    data = response.json()
-    choice = data["choices"][0]
-    text = (choice.get("message") or {}).get("content") or ""
-    content = (choice.get("logprobs") or {}).get("content") or []
+    text, content, usage = answer["text"], answer["logprobs"], answer["usage"]
     logprobs = [float(e["logprob"]) for e in content]
     alternatives = [[float(t["logprob"]) for t in e.get("top_logprobs") or ()] for e in content]
-    usage = data.get("usage") or {}
     completion_tokens = int(usage.get("completion_tokens", len(logprobs)))
     if completion_tokens and not logprobs:
         raise RecordError(f"{item.id} on {tier}: the answer came without logprobs")
+    prompt = user_message(item)
     return Record(item.id, item.kind, tier, check(item, text),
                   answer_scores(logprobs, alternatives, quantile), quantile, tuple(logprobs),
                   int(usage.get("prompt_tokens", 0)), completion_tokens, text[:ANSWER_CHARS],
-                  round(seconds, 3), user_message(item))
+                  round(seconds, 3), prompt,
+                  examples_pass(prompt, text) if item.kind == "code" else None)
 
 
 def _end_with_newline(path: Path) -> None:

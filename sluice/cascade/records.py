@@ -11,7 +11,8 @@ A line::
 
 ``scores`` are ``policy.answer_scores`` at quantile ``q``; ``logprobs`` (natural log, 4
 decimals) let any other quantile be replayed; ``prompt`` is the text the router's pre-route
-sees (the user message), for ``fit_pre_route``.
+sees (the user message), for ``fit_pre_route``; ``examples`` (code) says whether the answer
+passes the prompt's ``>>>`` examples, the code-execution signal.
 
 Lines are appended one at a time and flushed, so a crash tears at most the last line, which
 reading skips (and a resumed recording redoes).
@@ -31,6 +32,8 @@ from sluice.cascade.policy import Scores, answer_scores
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUANTILE = 0.1  # CascadeEscalationSpec.quantile's default
+# signals only a replay reads (the router runs no code): see Record.score
+REPLAY_SIGNALS = ("code-examples",)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class Record:
         answer: the answer's text (first 2,000 characters).
         seconds: the request's wall time.
         prompt: the text the router's pre-route reads ("" when not recorded).
+        examples: for code, ``evalset.examples_pass``: whether the answer passes the
+            prompt's ``>>>`` examples (None: not code, no examples, or not recorded).
     """
 
     id: str
@@ -62,9 +67,15 @@ class Record:
     answer: str = ""
     seconds: float = 0.0
     prompt: str = ""
+    examples: bool | None = None
 
     def score(self, signal: str, quantile: float = DEFAULT_QUANTILE) -> float:
-        """The signal's score; a quantile other than ``q`` is recomputed from ``logprobs``."""
+        """The signal's score; a quantile other than ``q`` is recomputed from ``logprobs``.
+        ``code-examples`` is the logprob quantile, and -100 (sure to escalate) for code
+        that fails one of its prompt's examples."""
+        if signal == "code-examples":
+            return -100.0 if self.examples is False else self.score("logprob-quantile",
+                                                                    quantile)
         if signal == "logprob-quantile" and not math.isclose(quantile, self.q):
             return answer_scores(self.logprobs, q=quantile).quantile
         return self.scores.signal(signal)
@@ -84,7 +95,7 @@ class Record:
                    Scores(**s), q, tuple(float(x) for x in data["logprobs"]),
                    int(data["prompt_tokens"]), int(data["completion_tokens"]),
                    data.get("answer", ""), float(data.get("seconds", 0.0)),
-                   data.get("prompt", ""))
+                   data.get("prompt", ""), data.get("examples"))
 
 
 def _lines(path: Path) -> Iterable[dict]:
