@@ -195,7 +195,7 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
                          "policies", "timeline_fields", "timelines"}
     assert data["requests"] == 200 and data["slo"]["ttft_ms"] == 2000.0
     rows = {r["policy"]: r for r in data["policies"]}
-    assert list(rows) == ["oracle", "sluice:cap=1", "static:replicas=2"]
+    assert list(rows) == ["oracle", "sluice:down=300", "static:replicas=2"]
     assert all(list(r) == list(report.SUMMARY_KEYS) for r in rows.values())
     assert rows["oracle"]["slo_attainment_pct"] >= 99.0 and rows["oracle"]["oracle_ratio"] == 1
     assert rows["static:replicas=2"]["replica_hours"] == pytest.approx(
@@ -230,7 +230,7 @@ def test_the_readme_simulate_command(tmp_path, monkeypatch, capsys):
     argv[argv.index("--output") + 1] = str(tmp_path / "sim.json")
     assert main(argv + ["--no-progress"]) == 0
     data = json.loads((tmp_path / "sim.json").read_text())
-    assert [r["policy"] for r in data["policies"]] == ["oracle", "sluice:cap=1",
+    assert [r["policy"] for r in data["policies"]] == ["oracle", "sluice:down=300",
                                                        "static:replicas=2"]
     assert data["requests"] == 200 and "oracle" in capsys.readouterr().out
 

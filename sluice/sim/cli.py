@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 ALL = ("static", "sluice", "kubeai", "kpa", "keda", "dynamo", "dynamo-reactive")
 # each baseline's main knob, swept (--sweep): static's as fractions of the oracle's peak
-SWEEPS = {"static": (0.5, 0.75, 1.0), "sluice": (0.5, 0.75, 1.0, 1.5, 2.0),
+SWEEPS = {"static": (0.5, 0.75, 1.0), "sluice": (30, 60, 90, 120, 180, 300, 600),
           "kubeai": (1, 2, 4, 8, 16, 32), "kpa": (1, 2, 4, 8, 16, 32), "keda": (1, 2, 5, 10),
           "dynamo": (0.1, 0.25, 0.5, 0.75, 1.0), "dynamo-reactive": (0.25, 0.5, 1.0)}
 

@@ -122,8 +122,9 @@ class Static:
 class Sluice:
     """The production policy (``recommend``) with the local driver's 2 s interval.
 
-    Knobs: cap (× the calibrated capacity_rps), zero (1: scale to zero after idle_s),
-    down (scale-down stabilisation, s), margin (``Config.down_margin``).
+    Knobs: down (scale-down stabilisation, s: the main knob, the one a user tunes to
+    trade replica-hours for attainment; default the spec's 300), cap (× the calibrated
+    capacity_rps), zero (1: scale to zero after idle_s), margin (``Config.down_margin``).
     """
 
     interval_s = 2.0
@@ -261,7 +262,7 @@ class Dynamo:
 
 POLICIES = {"static": Static, "sluice": Sluice, "kubeai": KubeAI, "kpa": KPA, "keda": KEDA,
             "dynamo": Dynamo}
-KNOBS = {"static": "replicas", "sluice": "cap", "kubeai": "target", "kpa": "target",
+KNOBS = {"static": "replicas", "sluice": "down", "kubeai": "target", "kpa": "target",
          "keda": "threshold", "dynamo": "util", "dynamo-reactive": "util"}
 
 
