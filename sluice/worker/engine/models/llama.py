@@ -167,9 +167,9 @@ class LlamaForCausalLM(nn.Module):
         max_positions: largest position the rotary tables cover (the context length).
         device: where the parameters are created: "meta" builds the model without
             allocating or initializing them (then ``load_weights`` puts the loaded tensors
-            in their place). Passed to
-            each module rather than set with ``with torch.device(...)``, whose function mode
-            imports ``torch._dynamo`` (1-2 s of a worker's boot).
+            in their place). Passed to each module rather than set with ``with
+            torch.device(...)``, whose function mode imports ``torch._dynamo`` (1-2 s of a
+            worker's boot).
     """
 
     def __init__(self, config, max_positions: int, device=None):
