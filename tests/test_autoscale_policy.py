@@ -186,6 +186,17 @@ def test_one_busy_window_is_not_load_to_learn_capacity_from():
     assert recommend(busy, state, CFG, 65.0).capacity_rps == pytest.approx(2.0)
 
 
+def test_quiet_windows_after_a_burst_are_not_load_either():
+    """The level lags: just after a burst it still says about 4 req/s (2 per replica, above
+    0.8 of the estimate) while nothing arrives and the burst's last requests meet the SLO. Both
+    measures must say load; counting the level alone raised the estimate on the simulator's
+    code-trace cuts until the next burst found one replica too few."""
+    state = replace(State.initial(2, CFG, 0.0), level_rps=5.0, slo_met=20.0, slo_total=20.0,
+                    last_time=0.0)
+    quiet = Observation(5.0, arrivals=0, ttft_met=3, ttft_total=3, ready=2)
+    assert recommend(quiet, state, CFG, 5.0).capacity_rps == pytest.approx(2.0)
+
+
 def test_a_rising_rate_is_forecast_over_the_boot_time():
     config = Config(min_replicas=1, max_replicas=20, capacity_rps=1.0, boot_s=60.0,
                     scale_down_window_s=600.0)

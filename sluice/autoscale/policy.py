@@ -265,7 +265,8 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     forecast = max(0.0, level + trend * config.boot_s)
     slo_met, slo_total = _attainment(state, obs)
     attainment = slo_met / slo_total if slo_total else None
-    capacity, missed = _corrected_capacity(state, config, obs, level, attainment, slo_total)
+    capacity, missed = _corrected_capacity(state, config, obs, (rate, level), attainment,
+                                           slo_total)
     backlog = obs.queued + obs.held + obs.rejected
     horizon = max(config.drain_s, config.boot_s)
     backlog_rps = backlog / horizon
@@ -343,16 +344,20 @@ def _attainment(state: State, obs: Observation) -> tuple[float, float]:
     return met, state.slo_total * decay + samples
 
 
-def _corrected_capacity(state: State, config: Config, obs: Observation, level: float,
-                        attainment: float | None, samples: float) -> tuple[float, bool]:
+def _corrected_capacity(state: State, config: Config, obs: Observation,
+                        rates: tuple[float, float], attainment: float | None,
+                        samples: float) -> tuple[float, bool]:
     """The capacity estimate after this window, and whether the SLO is being missed under
-    load (a reason to add a replica now).
+    load (a reason to add a replica now). ``rates``: this window's arrival rate and the
+    smoothed level, req/s.
 
-    Only load near the estimate teaches anything, and load is the smoothed arrival rate
-    (``level``): one busy window's rate is Poisson noise, and counting it as load while
-    the decayed attainment still reflects the calmer seconds before it raised the
-    estimate by chance, step after step (to twice the truth on the conversation trace,
-    then a consolidation to one replica). A miss at low load is not a capacity
+    Only load near the estimate teaches anything, and it must be load by both measures:
+    the window's rate alone is Poisson noise (a busy window counted as load while the
+    decayed attainment still held the calmer seconds before it raised the estimate by
+    chance, step after step: twice the truth on the simulator's conversation trace, then
+    a consolidation to one replica), and the level alone lags (quiet windows after a burst,
+    the level still high and the burst's requests served well, raised it on the code
+    trace's cuts). A miss at low load is not a capacity
     problem (a long prompt, a cold cache), and meeting the SLO at low load says nothing
     about the limit. Nor does a miss of a fleet known to be short: replicas still starting,
     or more load per ready replica than the estimate (the answer there is more replicas,
@@ -362,21 +367,21 @@ def _corrected_capacity(state: State, config: Config, obs: Observation, level: f
     scale with the window (``CAPACITY_STEP_*`` per 10 s).
     """
     capacity = state.capacity_rps
-    per_replica = level / max(1, obs.ready)
+    low_load, high_load = (r / max(1, obs.ready) for r in sorted(rates))
     now_fraction, _ = obs.attainment()
     if attainment is None or samples < config.min_samples:
         return capacity, False
     missed = attainment < config.attainment_target and now_fraction is not None \
         and now_fraction < config.attainment_target
     steps = obs.window_s / CAPACITY_STEP_PERIOD_S
-    if missed and 0.5 * capacity <= per_replica <= capacity and not obs.starting:
+    if missed and 0.5 * capacity <= low_load and high_load <= capacity and not obs.starting:
         capacity *= CAPACITY_STEP_DOWN ** steps
     elif attainment >= 1 - (1 - config.attainment_target) / 2 \
-            and per_replica >= 0.8 * capacity:
+            and low_load >= 0.8 * capacity:
         capacity *= CAPACITY_STEP_UP ** steps
     low, high = (f * config.capacity_rps for f in CAPACITY_RANGE)
     capacity = min(max(capacity, low), high)
-    return capacity, missed and per_replica >= 0.8 * capacity
+    return capacity, missed and high_load >= 0.8 * capacity
 
 
 def _trim(history: tuple[tuple[float, int], ...], now: float,
