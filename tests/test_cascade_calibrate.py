@@ -386,3 +386,29 @@ def test_the_code_examples_signal_sends_failing_code_up():
         pytest.approx(-0.1)
     assert Record.from_json(failing.to_json()).examples is False
     assert Record.from_json({**passing.to_json(), "examples": None}).examples is None
+
+
+def test_bench_cascade_replays_the_committed_recording(tmp_path):
+    """CI replays the committed records (real answers of the three-tier ladder; recording
+    takes hours on two cores): each tier's accuracy in the JSON is the file's own count,
+    the ladder is ordered, and the pilot's check (the 1.5B tier at least 10 points above
+    the 0.5B one on the mix) holds."""
+    records = ROOT / "bench/results/cascade_records.jsonl"
+    out = tmp_path / "cascade.json"
+    proc = subprocess.run([sys.executable, "bench/cascade.py", "--records", str(records),
+                           "--costs", "1,4,11", "--splits", "4", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    tiers = ["smollm2", "qwen-coder", "qwen-coder-15"]
+    assert result["tiers"] == tiers
+    lines = load_records(records)
+    pairs = {(r.id, r.tier) for r in lines}
+    full = {r.id for r in lines if all((r.id, t) in pairs for t in tiers)}
+    counted = {t: sum(r.correct for r in lines if r.tier == t and r.id in full) / len(full)
+               for t in tiers}
+    assert result["items"] == len(full) >= 40
+    accuracy = result["tier_accuracy"]["all"]
+    assert accuracy == pytest.approx(counted)
+    assert accuracy["smollm2"] < accuracy["qwen-coder"] < accuracy["qwen-coder-15"]
+    assert accuracy["qwen-coder-15"] - accuracy["qwen-coder"] >= 0.10
