@@ -216,6 +216,35 @@ def test_scaling_up_while_replicas_boot_keeps_them_all():
         [(6, 1), (6, 3), (6, 6)]
 
 
+def test_the_routers_gate_holds_prefills_beyond_the_one_in_flight_at_the_router():
+    """Five 1,000-token prompts at once on one replica with an objective none can meet:
+    the router's gate (``policy.gate_open``) sends one, and each next only once the one
+    before has its first token, so first tokens come one prefill apart. With an objective
+    every replica is predicted to meet, the gate is open: all five are in the engine at
+    once, the four behind the first join its prefill a step later (the engine takes 5
+    chunks of 128 tokens a step) and share their first token's step."""
+    trace = one_trace([0.0] * 5, prompt=1000, output=4)
+    gated = run(trace, ttft_slo_s=0.1, itl_slo_s=None)
+    firsts = list(gated.first_s)
+    assert all(b > a for a, b in zip(firsts, firsts[1:])), firsts
+    one_prefill = firsts[0]
+    assert firsts[-1] == pytest.approx(5 * one_prefill, rel=0.2)
+    free = run(trace, ttft_slo_s=1000.0, itl_slo_s=None)
+    assert len(set(free.first_s[1:])) == 1 and free.first_s[-1] < 1.2 * free.first_s[0]
+    assert gated.refused == free.refused == 0
+
+
+def test_a_request_queued_past_the_routers_queue_timeout_is_refused():
+    """The queue's wait is bounded like the router's (``--queue-timeout``, 429 after it):
+    one replica, 40 long prompts at once, an unmeetable objective, a 2 s queue timeout:
+    those still queued after 2 s are refused, the rest are served."""
+    trace = one_trace([0.0] * 40, prompt=1000, output=4)
+    result = run(trace, ttft_slo_s=0.1, itl_slo_s=None, queue_timeout_s=2.0, sample_s=0.5)
+    served = sum(1 for t in result.done_s if not math.isnan(t))
+    assert result.refused > 0 and served + result.refused == 40
+    assert all(first <= 2.0 + 0.5 for first in result.first_s if not math.isnan(first))
+
+
 def test_the_readme_simulate_command(tmp_path, monkeypatch, capsys):
     """README's `sluice simulate` command, as written (its output goes to a temporary
     folder): the oracle and both policies run on the committed synthetic profile."""

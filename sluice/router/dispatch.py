@@ -7,10 +7,10 @@ endpoint, and what each exchange teaches the latency models.
     plain answer ─▶ first_token when it has one token, else ttft_at_most (an upper bound)
     finished    ──▶ finished: fit its ITL model; kick the model's queue
 
-The admission gate (``gate``) lets a request through when some ready endpoint is predicted
-to meet its TTFT objective, or has no prefill in flight at all (work conservation: an idle
-endpoint never waits while requests queue). Every capacity event (first token, finished
-request, a poll) kicks the queue, which re-checks its head.
+The admission gate (``gate``, deciding by ``policy.gate_open``) lets a request through when
+some ready endpoint is predicted to meet its TTFT objective, or has no prefill in flight at
+all (work conservation: an idle endpoint never waits while requests queue). Every capacity
+event (first token, finished request, a poll) kicks the queue, which re-checks its head.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from sluice.router.endpoints import Endpoint, EndpointSet, ModelSettings
 from sluice.router.metrics import RouterMetrics
 from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES, Clock,
                                   PolicyContext, Prediction, RoutingPolicy, RoutingRequest,
-                                  make_policy, predict_all)
+                                  gate_open, make_policy, predict_all)
 from sluice.router.predictor import ErrorTracker
 from sluice.router.prefix import KEY_CHARS, PrefixIndex, shape
 from sluice.router.tenants import PRIORITY_LIMIT
@@ -221,15 +221,11 @@ class Dispatcher:
                 return False
             del self._releasing[request.model]  # it never settled: stop waiting for it
         candidates = self.endpoints.ready_for(request.model)
-        if not candidates or request.deadline is None:
-            return True  # nothing to wait for: the proxy answers (503 without workers)
-        if any(e.prefilling == 0 for e in candidates):
-            return True
-        predictions = predict_all(candidates, request, self.context.prefix_index, now,
-                                  self.context.fleet)
-        request.predicted.by_url = {e.url: p for e, p in zip(candidates, predictions)}
-        budget = request.budget_s(now)
-        return any(p.ttft_s <= budget for p in predictions)
+        is_open, predictions = gate_open(candidates, request, self.context.prefix_index, now,
+                                         self.context.fleet)
+        if predictions is not None:
+            request.predicted.by_url = {e.url: p for e, p in zip(candidates, predictions)}
+        return is_open
 
     def admit_now(self, request: RoutingRequest) -> bool:
         """True when ``request`` may go at once (nobody queued, the gate open)."""

@@ -297,6 +297,34 @@ def predict_all(candidates: Sequence[Endpoint], request: RoutingRequest, index: 
     return [predict(e, request.shape, matched.get(e.url, 0), now, fleet) for e in candidates]
 
 
+def gate_open(candidates: Sequence[Endpoint], request: RoutingRequest, index: PrefixIndex,
+              now: float, fleet: LatencyModel | None = None
+              ) -> tuple[bool, list[Prediction] | None]:
+    """The admission gate: may ``request`` go to one of ``candidates`` (ready endpoints)
+    now, or wait in its model's queue? It may when it has no TTFT objective, when no
+    endpoint is ready (the proxy answers), when some endpoint has no prefill in flight
+    (work conservation: an idle endpoint never waits while requests queue), or when some
+    endpoint is predicted to give its first token within its remaining budget.
+
+    Holding the rest at the router keeps each engine's queue about one prefill deep, so
+    a request picks its endpoint when capacity frees (late binding) in priority and
+    deadline order, and prefill chunks do not pile into running requests' decode steps.
+    The price under overload is throughput: one worker behind the router at 3 req/s of
+    512-token prompts ran 0.80 req/s with the gate and 0.96 without, at ITL p90 305 ms
+    against 2.5 s.
+
+    Returns:
+        (open, the predictions made for ``candidates`` or None when none were needed).
+    """
+    if not candidates or request.deadline is None:
+        return True, None
+    if any(e.prefilling == 0 for e in candidates):
+        return True, None
+    predictions = predict_all(candidates, request, index, now, fleet)
+    budget = request.budget_s(now)
+    return any(p.ttft_s <= budget for p in predictions), predictions
+
+
 @dataclass
 class Predicted:
     """The predictions of one routing attempt of one request, each read at most once, so

@@ -7,7 +7,8 @@ same way for all: new replicas boot, removed ones drain (``sluice.sim.simulator`
 
     static          a fixed count (default: the oracle's peak)
     sluice          sluice.autoscale.policy.recommend, every 2 s (the local driver's interval)
-    kubeai          KubeAI: ceil(moving average of in-flight requests over timeWindow ÷
+    kubeai          KubeAI: ceil(moving average of in-flight requests (at its proxy: sent,
+                    queued or held) over timeWindow ÷
                     targetRequests), every 10 s, window 10 min, scale-down delay 30 s
                     (kubeai.org docs, "Autoscaling"; model spec targetRequests)
     kpa             Knative KPA: average concurrency over a 60 s stable window and a 6 s panic
@@ -15,7 +16,8 @@ same way for all: new replicas boot, removed ones drain (``sluice.sim.simulator`
                     the panic desire ≥ 2× ready (200 %), no scale-down while panicking (60 s);
                     scale-down at most halves per 2 s tick; zero after 30 s grace
                     (knative.dev docs, "Configuring the autoscaler"; pkg/autoscaler/scaling)
-    keda            KEDA → HPA on vllm:num_requests_waiting, AverageValue threshold 5 (vLLM
+    keda            KEDA → HPA on vllm:num_requests_waiting (the engines' queues: the router's
+                    admission queue is invisible to it), AverageValue threshold 5 (vLLM
                     production-stack's default): desired = ceil(Σ waiting ÷ threshold), 10 %
                     tolerance, HPA sync 15 s, scale-up ≤ max(4 pods, 100 %) per 15 s, 300 s
                     scale-down stabilisation (Kubernetes HPA v2 algorithm and behavior
@@ -54,6 +56,7 @@ class Tick:
         arrivals / refused: requests that arrived / were refused in the window.
         ttft_met, ttft_total, itl_met, itl_total: SLO verdicts in the window.
         held: requests waiting for a ready replica (none ready).
+        queued: requests in the router's admission queue (its gate refused them so far).
         in_flight: requests sent to replicas and not finished (router leases).
         waiting: requests in the engines' waiting queues (vllm:num_requests_waiting).
         kv_usage: mean KV usage over ready replicas, 0..1.
@@ -69,6 +72,7 @@ class Tick:
     itl_met: int = 0
     itl_total: int = 0
     held: int = 0
+    queued: int = 0
     in_flight: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -144,7 +148,7 @@ class Sluice:
         obs = Observation(window_s=tick.window_s, arrivals=tick.arrivals, rejected=tick.refused,
                           ttft_met=tick.ttft_met, ttft_total=tick.ttft_total,
                           itl_met=tick.itl_met, itl_total=tick.itl_total, held=tick.held,
-                          in_flight=tick.in_flight, ready=tick.ready, starting=tick.starting)
+                          queued=tick.queued, in_flight=tick.in_flight, ready=tick.ready, starting=tick.starting)
         decision = recommend(obs, self.state, self.config, tick.now)
         self.state = decision.state
         return decision.replicas
@@ -162,7 +166,7 @@ class KubeAI:
         self.below_since: float | None = None
 
     def decide(self, tick: Tick) -> int:
-        self.samples.append(tick.in_flight + tick.held)
+        self.samples.append(tick.in_flight + tick.queued + tick.held)
         desired = max(self.min, math.ceil(sum(self.samples) / len(self.samples) / self.target))
         if tick.held and desired == 0:
             desired = 1
@@ -188,7 +192,7 @@ class KPA:
         self.last_active = 0.0
 
     def decide(self, tick: Tick) -> int:
-        now, load = tick.now, tick.in_flight + tick.held
+        now, load = tick.now, tick.in_flight + tick.queued + tick.held
         self.samples.append((now, load))
         while self.samples[0][0] <= now - self.STABLE_S:
             self.samples.popleft()

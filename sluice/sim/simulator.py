@@ -1,8 +1,9 @@
 """The discrete-event loop: a trace's requests through the simulated router onto replicas,
 and an autoscaling policy moving the replica count, all on one virtual clock (seconds).
 
-    arrivals (trace, in order) ─▶ router.choose ─▶ replica.add ─▶ step ends (heap) ─▶ first
-    token / finished: SLO verdicts, the router learns ◀─────────────────────────────┘
+    arrivals (trace, in order) ─▶ router.admits ─▶ router.choose ─▶ replica.add ─▶ step ends
+            │ refused: the router's queue ──▲ kick            (heap) ─▶ first token / finished:
+            └────────────────────────────────┴──── SLO verdicts, the router learns ◀──┘
     policy ticks (heap, every interval_s) ─▶ Tick ─▶ decide ─▶ start (boot) / drain replicas
 
 Events are (time, order, kind, replica, version) in a ``heapq``; arrivals are read from the
@@ -11,7 +12,10 @@ sorted trace beside it, not pushed. A replica's pending step end is replaced by 
 requests once ready (boot time: mean × U[1 − jitter, 1 + jitter]); a removed replica first
 stops taking requests, then stops when its last one finishes (a booting one stops at once).
 With no replica ready, requests are held up to ``hold_s`` (then refused), and sent as soon
-as one turns ready.
+as one turns ready. A request the router's admission gate refuses waits in its queue,
+in arrival order, up to ``queue_timeout_s`` (then refused, as the router's 429); every
+first token, end, replica turning ready and poll re-checks the queue's head. The queue is
+not bounded (the router's ``--max-queue`` is a deployment's choice).
 """
 
 from __future__ import annotations
@@ -44,9 +48,12 @@ class SimConfig:
         max_replicas: the fleet's cap.
         ttft_slo_s / itl_slo_s: objectives (a request's TTFT; its mean inter-token gap).
         hold_s: seconds a request waits for a ready replica before it is refused.
+        queue_timeout_s: seconds a request waits in the router's admission queue before it
+            is refused (the router's ``--queue-timeout`` default).
         routing / candidates: the router's policy and its sampled candidates (0: all).
         limits: the engine's scheduling limits.
-        sample_s: seconds between timeline samples (and held-request expiry checks).
+        sample_s: seconds between timeline samples (and the expiry checks of requests held
+            or queued).
         poll_s: seconds between the router's polls of every ready replica's load (its
             ``/metrics`` poll; responses also carry it, at first tokens and ends).
         seed: random seed (boot jitter, candidate sampling).
@@ -58,6 +65,7 @@ class SimConfig:
     ttft_slo_s: float = 2.0
     itl_slo_s: float | None = 0.2
     hold_s: float = 120.0
+    queue_timeout_s: float = 60.0
     routing: str = "least-load"
     candidates: int = 4
     limits: EngineLimits = field(default_factory=EngineLimits)
@@ -74,7 +82,8 @@ class SimConfig:
 class Result:
     """One run. Per request (indexed like the trace): arrival, first token and finish
     times (s; NaN when refused), output tokens; per replica: start and stop (s); the
-    timeline: (t, billed, ready, in flight, held) samples; counts."""
+    timeline: (t, billed, ready, in flight, held: waiting at the router, for a ready replica
+    or in its admission queue) samples; counts."""
 
     arrival_s: list[float]
     output: list[int]
@@ -117,7 +126,8 @@ class Simulator:
         self.starts: list[float] = []
         self.stops: list[float] = []
         self.booting: dict[int, float] = {}  # index → ready time
-        self.held: deque[int] = deque()
+        self.held: deque[int] = deque()  # no replica ready
+        self.queued: deque[int] = deque()  # the router's admission queue
         self.heap: list[tuple[float, int, int, int, int]] = []
         self._order = 0
         self.counts = dict.fromkeys(("arrivals", "refused", "ttft_met", "ttft_total",
@@ -158,10 +168,12 @@ class Simulator:
             else:
                 now = arrivals[i]
                 self.counts["arrivals"] += 1
-                if self.router.ready:
-                    self._send(i, now)
-                else:
+                if not self.router.ready:
                     self.held.append(i)
+                elif self.queued or not self._admits(i, now):
+                    self.queued.append(i)
+                else:
+                    self._send(i, now)
                 i += 1
             events += 1
             if self.progress is not None and events % 4096 == 0:
@@ -182,6 +194,17 @@ class Simulator:
         heapq.heappush(self.heap, (t, self._order, kind, index, version))
 
     # ------------------------------------------------------------------ requests
+
+    def _admits(self, rid: int, now: float) -> bool:
+        trace = self.trace
+        return self.router.admits(rid, trace.prompt[rid], trace.blocks[rid],
+                                  trace.arrival_s[rid], now)
+
+    def _kick(self, now: float) -> None:
+        """Send the queue's head while the gate lets it through (``Dispatcher.kick``)."""
+        queued = self.queued
+        while queued and self.router.ready and self._admits(queued[0], now):
+            self._send(queued.popleft(), now)
 
     def _send(self, rid: int, now: float) -> None:
         trace = self.trace
@@ -218,6 +241,8 @@ class Simulator:
             self._push(end, STEP, replica.index, replica.version)
         elif self.status[replica.index] == DRAINING and not replica.num_seqs:
             self._stop(replica.index, now)
+        if (first or done) and self.queued:
+            self._kick(now)
 
     # ------------------------------------------------------------------ replicas
 
@@ -243,8 +268,9 @@ class Simulator:
         self.booting.pop(index, None)
         self.status[index] = SERVING
         self.router.add(index)
-        while self.held:
-            self._send(self.held.popleft(), now)
+        self.queued.extend(self.held)  # held ones came after any still queued
+        self.held.clear()
+        self._kick(now)
 
     def _stop(self, index: int, now: float) -> None:
         self.status[index] = STOPPED
@@ -287,7 +313,7 @@ class Simulator:
                     ttft_total=counts["ttft_total"] - last["ttft_total"],
                     itl_met=counts["itl_met"] - last["itl_met"],
                     itl_total=counts["itl_total"] - last["itl_total"],
-                    held=len(self.held), in_flight=self.in_flight,
+                    held=len(self.held), queued=len(self.queued), in_flight=self.in_flight,
                     waiting=sum(len(replicas[k].waiting) for k in ready),
                     kv_usage=sum(replicas[k].load(now)[2] for k in ready) / len(ready)
                     if ready else 0.0,
@@ -301,14 +327,18 @@ class Simulator:
         router = self.router
         for index in router.ready:
             router.report(router.endpoints[index], self.replicas[index], now)
+        if self.queued:
+            self._kick(now)
         self._push(now + self.config.poll_s, POLL)
 
     def _sample(self, now: float) -> None:
-        while self.held and now - self.trace.arrival_s[self.held[0]] >= self.config.hold_s:
-            self.held.popleft()
-            self.counts["refused"] += 1
-            self.finished += 1
+        for waiting, limit in ((self.held, self.config.hold_s),
+                               (self.queued, self.config.queue_timeout_s)):
+            while waiting and now - self.trace.arrival_s[waiting[0]] >= limit:
+                waiting.popleft()
+                self.counts["refused"] += 1
+                self.finished += 1
         billed = len(self.booting) + sum(1 for s in self.status if s in (SERVING, DRAINING))
         self.timeline.append((now, billed, len(self.router.ready), self.in_flight,
-                              len(self.held)))
+                              len(self.held) + len(self.queued)))
         self._push(now + self.config.sample_s, SAMPLE)
