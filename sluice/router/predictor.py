@@ -19,6 +19,13 @@ recursive least squares (RLS) with exponential forgetting; weights are kept ≥ 
 projection after each update), so a noisy fit never makes a busier worker look faster. ITL
 uses the same RLS on [1, running].
 
+Only requests predicted with the endpoint's own drain rate teach ``w``. Before the meter
+has one, ``wait_s`` is computed at a made-up prior rate, and the error of that guess is not
+the fixed overhead's: fitted anyway, a worker's first cold prefills (1.4 s where the prior
+said 0.2) raised the intercept to about a second, and every cached-prefix request after
+them was predicted 5-10x too slow until forgetting wore it off (in ``sluice simulate`` on
+bench/router.py's prefix workload, MAPE 68 % with the fit, 12 % without it).
+
 State is a few small lists and two numbers per endpoint (bounded by the number of
 endpoints), and the error tracker keeps a fixed-size window.
 """
@@ -163,12 +170,15 @@ class TTFTFeatures(NamedTuple):
             ``PRIOR_DRAIN_TOKENS_PER_S`` before it has one.
         running: requests decoding there (the router's count, or a larger fresh report); the
             ITL model's input.
+        drain_observed: ``drain_tokens_per_s`` is the endpoint's own observation (False:
+            the prior; the TTFT models do not learn from such a request).
     """
 
     queued_prefill_tokens: float
     uncached_prompt_tokens: float
     drain_tokens_per_s: float = PRIOR_DRAIN_TOKENS_PER_S
     running: float = 0.0
+    drain_observed: bool = False
 
     @property
     def wait_s(self) -> float:
@@ -202,8 +212,10 @@ class LatencyModel:
         return self.ttft.predict(features.regressors())
 
     def fit_ttft(self, features: TTFTFeatures, ttft_s: float) -> None:
-        """A request sent with ``features`` had its first token ``ttft_s`` seconds later."""
-        self.ttft.update(features.regressors(), ttft_s)
+        """A request sent with ``features`` had its first token ``ttft_s`` seconds later.
+        Ignored when ``features`` were made at the prior drain rate (module docstring)."""
+        if features.drain_observed:
+            self.ttft.update(features.regressors(), ttft_s)
 
     def itl_s(self, running: float) -> float:
         """Predicted mean inter-token gap with ``running`` requests decoding, seconds."""
@@ -216,28 +228,34 @@ class LatencyModel:
 
 
 class ErrorTracker:
-    """Mean absolute percentage error of the last ``window`` predictions.
+    """Mean absolute percentage error of the last ``window`` predictions (``window`` None:
+    of all of them, in constant memory).
 
     MAPE = mean(|predicted - observed| / observed); observations under ``floor_s`` are
     clamped to it so a near-zero TTFT cannot blow the percentage up.
     """
 
-    def __init__(self, window: int = 500, floor_s: float = 0.005):
+    def __init__(self, window: int | None = 500, floor_s: float = 0.005):
         self._errors: deque[float] = deque(maxlen=window)
+        self._window = window
+        self._count = 0
         self._sum = 0.0
         self.floor_s = floor_s
 
     def observe(self, predicted: float, observed: float) -> None:
-        if len(self._errors) == self._errors.maxlen:
-            self._sum -= self._errors[0]
         error = abs(predicted - observed) / max(observed, self.floor_s)
-        self._errors.append(error)
         self._sum += error
+        if self._window is None:
+            self._count += 1
+            return
+        if len(self._errors) == self._window:
+            self._sum -= self._errors[0]
+        self._errors.append(error)
 
     def __len__(self) -> int:
-        return len(self._errors)
+        return self._count if self._window is None else len(self._errors)
 
     @property
     def mape(self) -> float:
         """Fraction (0.25 = 25 %); 0 with no observations."""
-        return max(0.0, self._sum / len(self._errors)) if self._errors else 0.0
+        return max(0.0, self._sum / len(self)) if len(self) else 0.0

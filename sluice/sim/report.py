@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 SUMMARY_KEYS = ("policy", "requests", "ttft_attainment_pct", "itl_attainment_pct",
                 "slo_attainment_pct", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
                 "e2e_p50_ms", "replica_hours", "oracle_ratio", "peak_replicas", "scale_events",
-                "refused", "preemptions", "prefix_hit_tokens", "sim_wall_s",
+                "refused", "preemptions", "prefix_hit_tokens", "ttft_mape_pct", "sim_wall_s",
                 "sim_requests_per_s")
 
 
@@ -68,6 +68,7 @@ def summarize(name: str, result: Result, config: SimConfig, wall_s: float,
             "peak_replicas": max((b for _, b, *_ in result.timeline), default=0),
             "scale_events": result.scale_events, "refused": result.refused,
             "preemptions": result.preemptions, "prefix_hit_tokens": result.prefix_hit_tokens,
+            "ttft_mape_pct": round(100 * result.ttft_mape, 1),
             "sim_wall_s": round(wall_s, 2),
             "sim_requests_per_s": round(n / wall_s) if wall_s > 0 else None}
 
@@ -85,7 +86,8 @@ def table(rows: list[dict[str, Any]], title: str) -> Any:
                ("ITL ok %", "itl_attainment_pct"), ("TTFT p50 ms", "ttft_p50_ms"),
                ("p90", "ttft_p90_ms"), ("p99", "ttft_p99_ms"), ("replica-h", "replica_hours"),
                ("× oracle", "oracle_ratio"), ("peak", "peak_replicas"),
-               ("scale events", "scale_events"), ("refused", "refused")]
+               ("scale events", "scale_events"), ("refused", "refused"),
+               ("TTFT MAPE %", "ttft_mape_pct")]
     for header, _ in columns:
         t.add_column(header, justify="left" if header == "policy" else "right")
     for row in rows:

@@ -13,7 +13,8 @@ worker load reports, the ``PrefixIndex``, the online ``LatencyModel``\\ s), exac
 
 Every chosen endpoint gets a TTFT prediction (the policy's, else one made for it, as
 ``Dispatcher.choose`` does), and its TTFT and ITL models learn from every request whatever
-the policy, since the admission gate reads them.
+the policy, since the admission gate reads them; ``errors`` keeps the predictions' MAPE
+(the router's ``sluice_router_ttft_prediction_mape``, over the whole run).
 
 Admission (``admits``): the router's gate, ``policy.gate_open``, on the same objects. A
 request the gate refuses waits in the simulator's queue (the router's admission queue:
@@ -39,6 +40,7 @@ import random
 from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
 from sluice.router.policy import (PolicyContext, Prediction, RoutingRequest, gate_open,
                                   least_load, predict_all, round_robin, slo_pick)
+from sluice.router.predictor import ErrorTracker
 from sluice.router.prefix import PrefixIndex, PromptShape
 from sluice.sim.replica import Replica
 
@@ -74,6 +76,7 @@ class SimRouter:
         self.endpoints: dict[int, Endpoint] = {}
         self.ready: list[int] = []  # replica indices that take requests
         self.idle = 0  # ready endpoints with no prefill in flight
+        self.errors = ErrorTracker(window=None)  # the TTFT predictions' MAPE, over the run
         self._leases: dict[int, tuple[Endpoint, Lease, Prediction]] = {}
         # the gate's look at the request it last let through: (rid, sample, predictions)
         self._gated: tuple[int, list[int], list[Prediction]] | None = None
@@ -150,6 +153,7 @@ class SimRouter:
         lease.first_token(now)
         self._idle_changed(endpoint, was_idle)
         self.report(endpoint, replica, now)
+        self.errors.observe(prediction.ttft_s, ttft_s)
         endpoint.latency.fit_ttft(prediction.features, ttft_s)
         self.context.fleet.fit_ttft(prediction.features, ttft_s)
 

@@ -83,7 +83,8 @@ class Result:
     """One run. Per request (indexed like the trace): arrival, first token and finish
     times (s; NaN when refused), output tokens; per replica: start and stop (s); the
     timeline: (t, billed, ready, in flight, held: waiting at the router, for a ready replica
-    or in its admission queue) samples; counts."""
+    or in its admission queue) samples; counts; the router's TTFT predictions' MAPE (0.25 =
+    25 %)."""
 
     arrival_s: list[float]
     output: list[int]
@@ -98,6 +99,7 @@ class Result:
     events: int
     prefix_hit_tokens: int
     preemptions: int
+    ttft_mape: float
 
 
 class Simulator:
@@ -187,7 +189,7 @@ class Simulator:
                       self.counts["refused"], self.starts, self.stops, self.timeline,
                       self.scale_events, now, events,
                       sum(r.prefix_hit_tokens for r in self.replicas),
-                      sum(r.preemptions for r in self.replicas))
+                      sum(r.preemptions for r in self.replicas), self.router.errors.mape)
 
     def _push(self, t: float, kind: int, index: int = -1, version: int = 0) -> None:
         self._order += 1
