@@ -302,36 +302,12 @@ def test_a_new_endpoint_predicts_with_the_fleet_model_until_it_has_its_own():
     fleet, ep = LatencyModel(), Endpoint("http://new")
     x_shape = shape({"prompt": "y" * 4000})  # 1,000 tokens
     for _ in range(100):  # the fleet learnt: 2 s for 1k uncached tokens at the prior rate
-        fleet.fit_ttft(TTFTFeatures(0, 1000, drain_observed=True), 2.0)
+        fleet.fit_ttft(TTFTFeatures(0, 1000), 2.0)
     assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(2.0, rel=0.1)
     assert predict(ep, x_shape, 0, 0.0).ttft_s < 1.0  # the prior alone
     for _ in range(MIN_OWN_UPDATES):
-        ep.latency.fit_ttft(TTFTFeatures(0, 1000, drain_observed=True), 0.5)
+        ep.latency.fit_ttft(TTFTFeatures(0, 1000), 0.5)
     assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(0.5, rel=0.2)
-
-
-def test_a_request_predicted_at_the_prior_drain_rate_does_not_teach_the_ttft_model():
-    """Before an endpoint's drain meter has a rate, ``wait_s`` uses a made-up one: a first
-    cold prefill far slower than that guess must not move the fixed overhead, or every
-    cached-prefix request after it is predicted seconds too slow. Once the meter has its
-    own rate, requests teach the model again."""
-    from sluice.router.policy import predict
-    from sluice.router.predictor import PRIOR_DRAIN_TOKENS_PER_S
-
-    ep, x_shape = Endpoint("http://w0"), shape({"prompt": "y" * 1600})  # 400 tokens
-    cold = predict(ep, x_shape, 0, 0.0)
-    assert not cold.features.drain_observed
-    assert cold.features.drain_tokens_per_s == PRIOR_DRAIN_TOKENS_PER_S
-    ep.latency.fit_ttft(cold.features, 1.4)  # 400 tokens at ~290 tokens/s, not 2,500
-    assert ep.latency.ttft.updates == 0 and predict(ep, x_shape, 0, 0.0).ttft_s == \
-        pytest.approx(cold.ttft_s)
-    ep.drain.advance(0.0, True)  # that prefill, seen by the meter: 400 tokens in 1.4 s
-    ep.drain.advance(1.4, True)
-    ep.drain.drained(400.0)
-    warm = predict(ep, x_shape, 0, 1.4)
-    assert warm.features.drain_observed and warm.ttft_s > 5 * cold.ttft_s  # it knows now
-    ep.latency.fit_ttft(warm.features, 1.45)
-    assert ep.latency.ttft.updates == 1
 
 
 def test_ttft_follows_the_observed_drain_rate_of_a_queue():

@@ -327,9 +327,6 @@ def test_a_plain_answer_teaches_the_ttft_model_only_what_it_shows():
     endpoints, d = fleet(1, clock=lambda: now[0])
     state = SimpleNamespace(metrics=d.metrics, dispatcher=d)
     w0 = endpoints.ready_for(MODEL)[0]
-    w0.drain.advance(90.0, True)  # a drain rate of its own (earlier traffic): requests
-    w0.drain.advance(91.0, True)  # predicted at it teach the TTFT model
-    w0.drain.drained(2500.0)
 
     def answer(tokens: int, after_s: float, headers: dict | None = None) -> None:
         r = d.routing_request({**BODY, "stream": False}, {}, arrival=now[0] - 0.5)

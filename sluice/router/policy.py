@@ -280,11 +280,9 @@ def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int, now: flo
             its siblings taught, not from the prior).
     """
     cached_tokens = min(cached_blocks * shape.block_tokens, shape.tokens - 1)
-    rate = endpoint.drain.rate()
     features = TTFTFeatures(endpoint.queued_prefill_tokens(now),
                             max(0.0, shape.tokens - cached_tokens),
-                            rate or PRIOR_DRAIN_TOKENS_PER_S, endpoint.running(now),
-                            rate is not None)
+                            endpoint.drain.rate() or PRIOR_DRAIN_TOKENS_PER_S, endpoint.running(now))
     own = endpoint.latency
     ttft = own if fleet is None or own.ttft.updates >= MIN_OWN_UPDATES else fleet
     itl = own if fleet is None or own.itl.updates >= MIN_OWN_UPDATES else fleet

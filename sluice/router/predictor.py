@@ -19,12 +19,15 @@ recursive least squares (RLS) with exponential forgetting; weights are kept ≥ 
 projection after each update), so a noisy fit never makes a busier worker look faster. ITL
 uses the same RLS on [1, running].
 
-Only requests predicted with the endpoint's own drain rate teach ``w``. Before the meter
-has one, ``wait_s`` is computed at a made-up prior rate, and the error of that guess is not
-the fixed overhead's: fitted anyway, a worker's first cold prefills (1.4 s where the prior
-said 0.2) raised the intercept to about a second, and every cached-prefix request after
-them was predicted 5-10x too slow until forgetting wore it off (in ``sluice simulate`` on
-bench/router.py's prefix workload, MAPE 68 % with the fit, 12 % without it).
+Known weakness (issue 12's MAPE): requests predicted at the drain meter's prior rate are
+fitted too, so a worker's first cold prefills (1.4 s where the prior said 0.2) raise the
+intercept to about a second and cached-prefix requests after them are predicted 5-10x too
+slow until forgetting wears it off. Not fitting them cut the MAPE (``sluice simulate`` on
+bench/router.py's prefix workload: 68 % -> 12 %; the real benchmark: 183-231 % -> 87-101 %)
+but lowered the real benchmark's goodput (2 req/s: 31-38 % -> 10-12 % of requests in SLO;
+prefix hit rate 0.59 -> 0.49): the inflated predictions keep the admission gate shut, and
+with accurate ones more requests reach workers whose 0.06 GiB pools then evict the
+tenants' cached prompts. It waits for an admission gate that sees KV pressure.
 
 State is a few small lists and two numbers per endpoint (bounded by the number of
 endpoints), and the error tracker keeps a fixed-size window.
@@ -170,15 +173,12 @@ class TTFTFeatures(NamedTuple):
             ``PRIOR_DRAIN_TOKENS_PER_S`` before it has one.
         running: requests decoding there (the router's count, or a larger fresh report); the
             ITL model's input.
-        drain_observed: ``drain_tokens_per_s`` is the endpoint's own observation (False:
-            the prior; the TTFT models do not learn from such a request).
     """
 
     queued_prefill_tokens: float
     uncached_prompt_tokens: float
     drain_tokens_per_s: float = PRIOR_DRAIN_TOKENS_PER_S
     running: float = 0.0
-    drain_observed: bool = False
 
     @property
     def wait_s(self) -> float:
@@ -212,10 +212,8 @@ class LatencyModel:
         return self.ttft.predict(features.regressors())
 
     def fit_ttft(self, features: TTFTFeatures, ttft_s: float) -> None:
-        """A request sent with ``features`` had its first token ``ttft_s`` seconds later.
-        Ignored when ``features`` were made at the prior drain rate (module docstring)."""
-        if features.drain_observed:
-            self.ttft.update(features.regressors(), ttft_s)
+        """A request sent with ``features`` had its first token ``ttft_s`` seconds later."""
+        self.ttft.update(features.regressors(), ttft_s)
 
     def itl_s(self, running: float) -> float:
         """Predicted mean inter-token gap with ``running`` requests decoding, seconds."""
