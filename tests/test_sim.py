@@ -156,6 +156,30 @@ def test_the_oracle_meets_its_target_on_a_small_trace():
     assert report.replica_hours(result) < max(counts) * result.end_s / 3600  # it scales
 
 
+def test_keda_counts_the_requests_the_router_holds_as_waiting():
+    """Behind Sluice's router a burst waits in the admission queue, not in the engine: KEDA
+    (on vllm:num_requests_waiting, which behind a router that does not queue would count
+    them) must still see it and scale at its first 15 s sync (HPA: at most +4 at once)."""
+    ctx = Context(capacity_rps=1.0, max_rps=2.0, boot_s=5.0, max_replicas=10, peak=1)
+    trace = one_trace([0.0] * 100, prompt=1000, output=50)
+    result = run(trace, make("keda", {}, ctx), initial=1, boot_s=5.0, ttft_slo_s=0.1,
+                 itl_slo_s=None)
+    assert result.starts == [0.0, 15.0, 15.0, 15.0, 15.0]  # 1 -> 5 at the first sync
+
+
+def test_calibration_serves_its_whole_burst_however_long_it_queues():
+    """The saturated rate (the Dynamo baseline's per-replica rate) is a burst's requests over
+    the time one replica takes to serve them all behind the router: none may be refused by
+    the router's 60 s queue timeout (they were: 30 req/s "saturated" on the conversation
+    trace, from 2,000 requests over the first 66 s)."""
+    from sluice.sim.oracle import _one_replica
+
+    burst = one_trace([0.0] * 400, prompt=1000, output=50)
+    result = _one_replica(burst, MODEL, SimConfig(ttft_slo_s=0.5))
+    assert result.refused == 0 and result.end_s > 60.0
+    assert all(not math.isnan(t) for t in result.done_s)
+
+
 def test_scale_requests_copies_within_a_second_with_their_own_blocks(tmp_path):
     base = traces.Trace([0.0, 10.0], [5, 6], [1, 2], [(1, 2), (1, 3)])
     scaled = traces.scale(base, 3, seed=0)

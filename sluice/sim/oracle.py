@@ -61,7 +61,7 @@ def met_both(result: Result, config: SimConfig) -> list[bool]:
 def _one_replica(trace: Trace, model: StepModel, config: SimConfig) -> Result:
     solo = SimConfig(boot_s=0.0, max_replicas=1, ttft_slo_s=config.ttft_slo_s,
                      itl_slo_s=config.itl_slo_s, routing="round-robin", limits=config.limits,
-                     hold_s=math.inf, seed=config.seed)
+                     hold_s=math.inf, queue_timeout_s=math.inf, seed=config.seed)
     return Simulator(trace, model, solo, Schedule([1], 3600.0), initial=1).run()
 
 

@@ -16,8 +16,7 @@ same way for all: new replicas boot, removed ones drain (``sluice.sim.simulator`
                     the panic desire ≥ 2× ready (200 %), no scale-down while panicking (60 s);
                     scale-down at most halves per 2 s tick; zero after 30 s grace
                     (knative.dev docs, "Configuring the autoscaler"; pkg/autoscaler/scaling)
-    keda            KEDA → HPA on vllm:num_requests_waiting (the engines' queues: the router's
-                    admission queue is invisible to it), AverageValue threshold 5 (vLLM
+    keda            KEDA → HPA on vllm:num_requests_waiting, AverageValue threshold 5 (vLLM
                     production-stack's default): desired = ceil(Σ waiting ÷ threshold), 10 %
                     tolerance, HPA sync 15 s, scale-up ≤ max(4 pods, 100 %) per 15 s, 300 s
                     scale-down stabilisation (Kubernetes HPA v2 algorithm and behavior
@@ -58,7 +57,10 @@ class Tick:
         held: requests waiting for a ready replica (none ready).
         queued: requests in the router's admission queue (its gate refused them so far).
         in_flight: requests sent to replicas and not finished (router leases).
-        waiting: requests in the engines' waiting queues (vllm:num_requests_waiting).
+        waiting: requests waiting for their prefill: in the engines' queues
+            (vllm:num_requests_waiting), and in the router's admission queue, where Sluice's
+            router holds what a router that does not queue (vLLM production-stack's, which
+            KEDA and Dynamo's load planner run behind) would have put in the engines'.
         kv_usage: mean KV usage over ready replicas, 0..1.
         ready / starting: replicas routable / booting (draining ones excluded).
     """

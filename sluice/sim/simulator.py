@@ -316,7 +316,7 @@ class Simulator:
                     itl_met=counts["itl_met"] - last["itl_met"],
                     itl_total=counts["itl_total"] - last["itl_total"],
                     held=len(self.held), queued=len(self.queued), in_flight=self.in_flight,
-                    waiting=sum(len(replicas[k].waiting) for k in ready),
+                    waiting=sum(len(replicas[k].waiting) for k in ready) + len(self.queued),
                     kv_usage=sum(replicas[k].load(now)[2] for k in ready) / len(ready)
                     if ready else 0.0,
                     ready=len(ready), starting=len(self.booting))
