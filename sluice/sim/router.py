@@ -95,6 +95,9 @@ class SimRouter:
         endpoint.ready = False
         self.idle -= endpoint.prefilling == 0
 
+    def forget(self, index: int) -> None:
+        self.endpoints.pop(index, None)
+
     def admits(self, rid: int, prompt: int, blocks: tuple[int, ...], arrival: float,
                now: float) -> bool:
         """The admission gate (``policy.gate_open``) for request ``rid`` at ``now``: True
@@ -108,9 +111,6 @@ class SimRouter:
         if is_open and predictions is not None:
             self._gated = (rid, picked, predictions)
         return is_open
-
-    def forget(self, index: int) -> None:
-        self.endpoints.pop(index, None)
 
     def choose(self, rid: int, prompt: int, blocks: tuple[int, ...], arrival: float,
                now: float) -> int:
