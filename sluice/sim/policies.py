@@ -150,7 +150,8 @@ class Sluice:
         obs = Observation(window_s=tick.window_s, arrivals=tick.arrivals, rejected=tick.refused,
                           ttft_met=tick.ttft_met, ttft_total=tick.ttft_total,
                           itl_met=tick.itl_met, itl_total=tick.itl_total, held=tick.held,
-                          queued=tick.queued, in_flight=tick.in_flight, ready=tick.ready, starting=tick.starting)
+                          queued=tick.queued, in_flight=tick.in_flight, ready=tick.ready,
+                          starting=tick.starting)
         decision = recommend(obs, self.state, self.config, tick.now)
         self.state = decision.state
         return decision.replicas

@@ -175,7 +175,9 @@ class SimRouter:
 
     def _sample(self) -> list[int]:
         ready = self.ready
-        return ready if not self.d or len(ready) <= self.d else sorted(self.rng.sample(ready, self.d))
+        if not self.d or len(ready) <= self.d:
+            return ready
+        return sorted(self.rng.sample(ready, self.d))
 
     def _request(self, prompt: int, blocks: tuple[int, ...], arrival: float) -> RoutingRequest:
         shape = PromptShape(key=blocks[0] if blocks else 0, blocks=blocks, tokens=prompt,
