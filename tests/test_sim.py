@@ -156,6 +156,17 @@ def test_the_oracle_meets_its_target_on_a_small_trace():
     assert report.replica_hours(result) < max(counts) * result.end_s / 3600  # it scales
 
 
+def test_held_requests_queue_timeout_counts_from_when_they_join_the_queue():
+    """Requests held while the only replica boots (50 s) join the router's queue when it is
+    ready; its timeout (20 s here) counts from then, as the router's does from the wait's
+    start, not from their arrival: all ten are served."""
+    trace = one_trace([0.0] * 10, prompt=1000, output=4)
+    result = run(trace, Schedule([1], 1.0), initial=0, boot_s=50.0, boot_jitter=0.0,
+                 ttft_slo_s=0.1, itl_slo_s=None, queue_timeout_s=20.0, sample_s=1.0)
+    assert result.refused == 0
+    assert all(50.0 < first < 70.0 for first in result.first_s)
+
+
 def test_keda_counts_the_requests_the_router_holds_as_waiting():
     """Behind Sluice's router a burst waits in the admission queue, not in the engine: KEDA
     (on vllm:num_requests_waiting, which behind a router that does not queue would count

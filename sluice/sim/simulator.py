@@ -11,11 +11,12 @@ sorted trace beside it, not pushed. A replica's pending step end is replaced by 
 ``version`` (stale events are skipped). Replicas are billed from start to stop; they take
 requests once ready (boot time: mean × U[1 − jitter, 1 + jitter]); a removed replica first
 stops taking requests, then stops when its last one finishes (a booting one stops at once).
-With no replica ready, requests are held up to ``hold_s`` (then refused), and sent as soon
-as one turns ready. A request the router's admission gate refuses waits in its queue,
-in arrival order, up to ``queue_timeout_s`` (then refused, as the router's 429); every
-first token, end, replica turning ready and poll re-checks the queue's head. The queue is
-not bounded (the router's ``--max-queue`` is a deployment's choice).
+With no replica ready, requests are held up to ``hold_s`` (then refused), and join the
+router's admission queue as soon as one turns ready. A request the admission gate refuses
+waits in that queue, in arrival order, up to ``queue_timeout_s`` from when it joined (then
+refused, as the router's 429); every first token, end, replica turning ready and poll
+re-checks the queue's head. The queue is not bounded (the router's ``--max-queue`` is a
+deployment's choice).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class Simulator:
         self.stops: list[float] = []
         self.booting: dict[int, float] = {}  # index → ready time
         self.held: deque[int] = deque()  # no replica ready
-        self.queued: deque[int] = deque()  # the router's admission queue
+        self.queued: deque[tuple[int, float]] = deque()  # the router's queue: (rid, since)
         self.heap: list[tuple[float, int, int, int, int]] = []
         self._order = 0
         self.counts = dict.fromkeys(("arrivals", "refused", "ttft_met", "ttft_total",
@@ -173,7 +174,7 @@ class Simulator:
                 if not self.router.ready:
                     self.held.append(i)
                 elif self.queued or not self._admits(i, now):
-                    self.queued.append(i)
+                    self.queued.append((i, now))
                 else:
                     self._send(i, now)
                 i += 1
@@ -205,8 +206,8 @@ class Simulator:
     def _kick(self, now: float) -> None:
         """Send the queue's head while the gate lets it through (``Dispatcher.kick``)."""
         queued = self.queued
-        while queued and self.router.ready and self._admits(queued[0], now):
-            self._send(queued.popleft(), now)
+        while queued and self.router.ready and self._admits(queued[0][0], now):
+            self._send(queued.popleft()[0], now)
 
     def _send(self, rid: int, now: float) -> None:
         trace = self.trace
@@ -270,7 +271,7 @@ class Simulator:
         self.booting.pop(index, None)
         self.status[index] = SERVING
         self.router.add(index)
-        self.queued.extend(self.held)  # held ones came after any still queued
+        self.queued.extend((rid, now) for rid in self.held)  # after any still queued
         self.held.clear()
         self._kick(now)
 
@@ -334,12 +335,16 @@ class Simulator:
         self._push(now + self.config.poll_s, POLL)
 
     def _sample(self, now: float) -> None:
-        for waiting, limit in ((self.held, self.config.hold_s),
-                               (self.queued, self.config.queue_timeout_s)):
-            while waiting and now - self.trace.arrival_s[waiting[0]] >= limit:
-                waiting.popleft()
-                self.counts["refused"] += 1
-                self.finished += 1
+        held, queued, arrival_s = self.held, self.queued, self.trace.arrival_s
+        expired = 0
+        while held and now - arrival_s[held[0]] >= self.config.hold_s:
+            held.popleft()
+            expired += 1
+        while queued and now - queued[0][1] >= self.config.queue_timeout_s:  # FIFO: oldest
+            queued.popleft()
+            expired += 1
+        self.counts["refused"] += expired
+        self.finished += expired
         billed = len(self.booting) + sum(1 for s in self.status if s in (SERVING, DRAINING))
         self.timeline.append((now, billed, len(self.router.ready), self.in_flight,
                               len(self.held) + len(self.queued)))
