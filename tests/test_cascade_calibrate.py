@@ -316,14 +316,18 @@ def test_cli_calibrate_prints_the_snippet(tmp_path):
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
-def test_bench_cascade_writes_its_json(tmp_path):
-    path = write(tmp_path / "r.jsonl", mixed())
-    out = tmp_path / "cascade.json"
-    proc = subprocess.run([sys.executable, "bench/cascade.py", "--records", str(path),
-                           "--costs", "1,4", "--splits", "4", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+def bench_cascade(records, costs: str, out) -> dict:
+    """Run bench/cascade.py on ``records`` (4 splits) and return the JSON it wrote."""
+    proc = subprocess.run([sys.executable, "bench/cascade.py", "--records", str(records),
+                           "--costs", costs, "--splits", "4", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_bench_cascade_writes_its_json(tmp_path):
+    path, out = write(tmp_path / "r.jsonl", mixed()), tmp_path / "cascade.json"
+    result = bench_cascade(path, "1,4", out)
     assert {"tier_accuracy", "tier_relative_cost", "curves", "held_out", "pre_route",
             "verdict", "smaller_tier_better_at"} <= set(result)
     assert result["tiers"] == ["small", "big"]  # the file's order
@@ -394,12 +398,7 @@ def test_bench_cascade_replays_the_committed_recording(tmp_path):
     the ladder is ordered, and the pilot's check (the 1.5B tier at least 10 points above
     the 0.5B one on the mix) holds."""
     records = ROOT / "bench/results/cascade_records.jsonl"
-    out = tmp_path / "cascade.json"
-    proc = subprocess.run([sys.executable, "bench/cascade.py", "--records", str(records),
-                           "--costs", "1,4,11", "--splits", "4", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(out.read_text())
+    result = bench_cascade(records, "1,4,11", tmp_path / "cascade.json")
     tiers = ["smollm2", "qwen-coder", "qwen-coder-15"]
     assert result["tiers"] == tiers
     lines = load_records(records)
