@@ -50,7 +50,7 @@ def one(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", default="../shared/traces/azure2023_conv.csv")
+    parser.add_argument("--trace", default="/work/shared/traces/azure2023_conv.csv")
     parser.add_argument("--scale", action="append", default=[], metavar="K:N",
                         help="trace × K requests on N replicas (repeatable; default 1:100)")
     parser.add_argument("--routing", default="least-load",
@@ -68,8 +68,12 @@ def main() -> int:
     for scale in args.scale or ["1:100"]:
         cmd = [sys.executable, __file__, "--one", scale, "--trace", args.trace, "--routing",
                args.routing, "--candidates", str(args.candidates), "--profile", args.profile]
-        rows.append(json.loads(subprocess.run(cmd, check=True, capture_output=True,
-                                              text=True).stdout))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"bench/simulate.py: scale {scale} failed:\n{proc.stderr[-2000:]}",
+                  file=sys.stderr)
+            return 2
+        rows.append(json.loads(proc.stdout))
         r = rows[-1]
         print(f"{r['requests']:>9,} requests × {r['replicas']:>5} replicas ({r['routing']}, "
               f"d={r['candidates']}): {r['sim_wall_s']:>7.1f} s wall, "

@@ -227,10 +227,20 @@ def test_traces_replay_lengths_arrivals_and_mooncake_prefixes(tok):
      "t.jsonl:3: a malformed request (no 'input_length')"),
     ("t.jsonl", "{not json\n", "t.jsonl:1: a malformed request (Expecting property name"),
     ("t.jsonl", "\n", "t.jsonl: empty trace"),
+    ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,12\n",
+     "t.csv:2: a malformed request (3 columns wanted, fewer given)"),
+    ("t.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,-5,44\n",
+     "t.csv:2: a malformed request (a negative token count (-5 in, 44 out))"),
+    ("t.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": -1}\n',
+     "t.jsonl:1: a malformed request (a negative token count (5 in, -1 out))"),
+    ("t.csv", b"\xff\xfe\x00binary", "t.csv: not a text trace (invalid start byte at byte 0)"),
 ])
 def test_a_bad_trace_names_its_line_and_what_is_wrong(tmp_path, name, content, message):
     path = tmp_path / name
-    path.write_text(content)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
     with pytest.raises(ValueError) as err:
         workload.read_trace(path)
     assert str(err.value).startswith(str(tmp_path))

@@ -239,6 +239,35 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     assert "sluice" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "kpa:nosuchknob=1"], "policy kpa has no knob 'nosuchknob' (its knobs: "
+     "target, util, min)"),
+    (["--policy", "kpa:target=abc"], "knob target of 'kpa:target=abc': 'abc' is not a number"),
+    (["--policy", "kpa:target=0"], "knob target of 'kpa:target=0' must be > 0, got 0"),
+    (["--policy", "kubeai:min=-1"], "knob min of 'kubeai:min=-1' must be ≥ 0, got -1"),
+    (["--policy", "static:replicas=1.5"], "knob replicas of 'static:replicas=1.5' is a count"),
+    (["--candidates", "-1"], "--candidates must be ≥ 0 (0: all), got -1"),
+    (["--boot-time", "-5"], "--boot-time must be ≥ 0, got -5"),
+    (["--boot-jitter", "1"], "--boot-jitter must be in [0, 1), got 1"),
+    (["--max-replicas", "0"], "--max-replicas must be ≥ 1, got 0"),
+    (["--oracle-step", "0"], "--oracle-step must be > 0, got 0"),
+    (["--limit", "0"], "--limit must be ≥ 1, got 0"),
+    (["--scale-requests", "0"], "--scale-requests must be ≥ 1, got 0"),
+    (["--output", "/nonexistent/sim.json"], "--output /nonexistent/sim.json: its directory "
+     "does not exist"),
+])
+def test_cli_refuses_bad_options_at_once_naming_them(tmp_path, capsys, args, message):
+    """Each bad option is one line naming it and exit 2, before any replica is simulated
+    (found by a fresh user: tracebacks after the oracle's run, or silent acceptance)."""
+    path = tmp_path / "synthetic.json"
+    path.write_text(json.dumps(SYNTHETIC))
+    assert main(["simulate", "--trace", f"{TRACES}/azure2023_conv.csv", "--limit", "20",
+                 "--profile", str(path), "--no-progress", "--policy", "static:replicas=1",
+                 *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sluice simulate: {message}") and err.count("\n") == 1, err
+
+
 def test_scaling_up_while_replicas_boot_keeps_them_all():
     """Steps of 1 → 3 → 6 replicas 10 s apart with a 30 s boot: all six boot and serve (a
     later scale-up once stopped the replicas still booting)."""

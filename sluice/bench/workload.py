@@ -262,6 +262,18 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
         ValueError: no requests, a missing column, or a malformed row (named by its line).
     """
     path = Path(path)
+    try:
+        rows = _read_rows(path, limit)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a text trace ({exc.reason} at byte {exc.start})") from None
+    if not rows:
+        raise ValueError(f"{path}: empty trace")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return [TraceRow(t - t0, max(1, i), max(1, o), h) for t, i, o, h in rows]
+
+
+def _read_rows(path: Path, limit: int | None) -> list[tuple[float, int, int, tuple[int, ...]]]:
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
     with open(path, newline="") as f:
         if path.suffix == ".csv":
@@ -281,21 +293,26 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise ValueError(f"{path}:{n}: a malformed request ({what})") from None
-    if not rows:
-        raise ValueError(f"{path}: empty trace")
-    rows.sort(key=lambda r: r[0])
-    t0 = rows[0][0]
-    return [TraceRow(t - t0, max(1, i), max(1, o), h) for t, i, o, h in rows]
+    return rows
 
 
 def _azure_row(r: dict) -> tuple[float, int, int, tuple[int, ...]]:
-    return _azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]), ()
+    if None in r.values():
+        raise ValueError(f"{len(AZURE_COLUMNS)} columns wanted, fewer given")
+    return (_azure_time(r["TIMESTAMP"]),
+            *_counts(int(r["ContextTokens"]), int(r["GeneratedTokens"])), ())
 
 
 def _mooncake_row(line: str) -> tuple[float, int, int, tuple[int, ...]]:
     r = json.loads(line)
-    return (r["timestamp"] / 1000.0, int(r["input_length"]), int(r["output_length"]),
+    return (r["timestamp"] / 1000.0, *_counts(int(r["input_length"]), int(r["output_length"])),
             tuple(r.get("hash_ids") or ()))
+
+
+def _counts(prompt: int, output: int) -> tuple[int, int]:
+    if prompt < 0 or output < 0:
+        raise ValueError(f"a negative token count ({prompt} in, {output} out)")
+    return prompt, output
 
 
 def _azure_time(text: str) -> float:

@@ -1,7 +1,7 @@
 """``sluice simulate``: replay a trace through the real routing and autoscaling decisions on
 a virtual clock, one run per policy, beside the clairvoyant oracle.
 
-    sluice simulate --trace ../shared/traces/azure2023_conv.csv --profile P.json \\
+    sluice simulate --trace /work/shared/traces/azure2023_conv.csv --profile P.json \\
         --policy sluice --policy kpa:target=8 --sweep --boot-time 30 --output sim.json
 
 Steps: load the trace (× ``--scale-requests``) and the step profile; calibrate one replica
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="objective on a request's mean inter-token gap (0: none)")
     parser.add_argument("--attainment", type=float, default=99.0,
                         help="percent of requests that must meet the SLO (sizing target)")
-    parser.add_argument("--routing", default="slo",
+    parser.add_argument("--routing", default="slo", choices=("slo", "least-load", "round-robin"),
                         help="slo (default, as in the router) | least-load | round-robin; "
                         "least-load is about 4x faster to simulate. (The slo policy's former "
                         "five-feature TTFT model diverged here: "
@@ -72,6 +72,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", help="write PNG plots into this directory "
                         "(sim_<trace>_x<K>_boot<S>_attainment.png, …_timeline.png)")
     parser.add_argument("--no-progress", action="store_true")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse out-of-range options before anything runs.
+
+    Raises:
+        ValueError: the first bad option, named.
+    """
+    bad = [("--boot-time", args.boot_time, args.boot_time < 0, "≥ 0"),
+           ("--boot-jitter", args.boot_jitter, not 0 <= args.boot_jitter < 1, "in [0, 1)"),
+           ("--max-replicas", args.max_replicas, args.max_replicas < 1, "≥ 1"),
+           ("--slo-ttft-ms", args.slo_ttft_ms, args.slo_ttft_ms <= 0, "> 0"),
+           ("--slo-itl-ms", args.slo_itl_ms, args.slo_itl_ms < 0, "≥ 0 (0: none)"),
+           ("--attainment", args.attainment, not 0 < args.attainment <= 100, "in (0, 100]"),
+           ("--candidates", args.candidates, args.candidates < 0, "≥ 0 (0: all)"),
+           ("--hold-s", args.hold_s, args.hold_s < 0, "≥ 0"),
+           ("--capacity-rps", args.capacity_rps,
+            args.capacity_rps is not None and args.capacity_rps <= 0, "> 0"),
+           ("--oracle-step", args.oracle_step, args.oracle_step <= 0, "> 0"),
+           ("--oracle-passes", args.oracle_passes, args.oracle_passes < 1, "≥ 1"),
+           ("--scale-requests", args.scale_requests, args.scale_requests < 1, "≥ 1"),
+           ("--limit", args.limit, args.limit is not None and args.limit < 1, "≥ 1")]
+    for flag, value, wrong, want in bad:
+        if wrong:
+            raise ValueError(f"{flag} must be {want}, got {value:g}")
+    if args.output is not None and not Path(args.output).parent.is_dir():
+        raise ValueError(f"--output {args.output}: its directory does not exist")
+    if args.plot is not None and not Path(args.plot).is_dir():
+        raise ValueError(f"--plot {args.plot}: no such directory")
 
 
 def plan(specs: list[tuple[str, dict[str, float]]], sweep: bool,
@@ -111,7 +140,12 @@ def run(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     try:
+        check(args)
         specs = [policies.parse(s) for s in args.policy or ALL]
+        probe = policies.Context(1.0, 1.0, args.boot_time, args.max_replicas, peak=1)
+        for name, knobs in specs:  # a knob the policy does not take, before the long part
+            if name != "oracle":
+                policies.make(name, knobs, probe)
         path = args.profile or profile.default_path()
         if path is None:
             raise ValueError("no step profile: pass --profile (sluice profile --steps writes one)")
@@ -122,8 +156,6 @@ def run(args: argparse.Namespace) -> int:
                            itl_slo_s=args.slo_itl_ms / 1000 if args.slo_itl_ms else None,
                            hold_s=args.hold_s, routing=args.routing,
                            candidates=args.candidates, limits=EngineLimits(), seed=args.seed)
-        if not 0 < args.attainment <= 100 or args.scale_requests < 1:
-            raise ValueError("--attainment must be in (0, 100], --scale-requests ≥ 1")
     except (ValueError, OSError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2

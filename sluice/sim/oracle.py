@@ -98,7 +98,7 @@ def calibrate(trace: Trace, model: StepModel, config: SimConfig, target: float,
                          f"requests even at {hi:.3g} req/s: loosen --slo-ttft-ms/--slo-itl-ms "
                          "or --attainment, or profile a faster replica")
     capacity, max_rps = lo, max(lo, max_rps)
-    logger.info("one replica: %.3f req/s at the SLO (%.0f%%), %.3f req/s saturated",
+    logger.debug("one replica: %.3f req/s at the SLO (%.0f%%), %.3f req/s saturated",
                 capacity, 100 * target, max_rps)
     return capacity, max_rps
 

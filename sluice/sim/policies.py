@@ -273,11 +273,16 @@ KNOBS = {"static": "replicas", "sluice": "down", "kubeai": "target", "kpa": "tar
          "keda": "threshold", "dynamo": "util", "dynamo-reactive": "util"}
 
 
+POSITIVE = frozenset(("target", "threshold", "util", "cap", "interval", "window"))  # divisors
+WHOLE = frozenset(("replicas", "min"))  # replica counts
+
+
 def parse(spec: str) -> tuple[str, dict[str, float]]:
     """``"kpa:target=10,util=0.7"`` → ("kpa", {"target": 10.0, "util": 0.7}).
 
     Raises:
-        ValueError: unknown policy or a malformed knob.
+        ValueError: an unknown policy, a malformed knob, or a knob out of range (negative,
+            zero where it divides, a fractional replica count).
     """
     name, _, rest = spec.partition(":")
     if name not in POLICIES and name not in ("dynamo-reactive", "oracle"):
@@ -285,9 +290,19 @@ def parse(spec: str) -> tuple[str, dict[str, float]]:
     knobs = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
+        key = key.strip()
         if not eq:
             raise ValueError(f"knob {item!r} of {spec!r} is not key=value")
-        knobs[key.strip()] = float(value)
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"knob {key} of {spec!r}: {value!r} is not a number") from None
+        if not math.isfinite(number) or number < 0 or (key in POSITIVE and number == 0):
+            raise ValueError(f"knob {key} of {spec!r} must be "
+                             f"{'> 0' if key in POSITIVE else '≥ 0'}, got {value}")
+        if key in WHOLE and number != int(number):
+            raise ValueError(f"knob {key} of {spec!r} is a count, got {value}")
+        knobs[key] = number
     return name, knobs
 
 
@@ -305,7 +320,9 @@ def make(name: str, knobs: dict[str, float], ctx: Context) -> Policy:
     """
     if name == "dynamo-reactive":
         name, knobs = "dynamo", {"reactive": 1, **knobs}
-    try:
-        return POLICIES[name](ctx, **knobs)
-    except TypeError as exc:
-        raise ValueError(f"policy {name}: {exc}") from None
+    takes = list(inspect.signature(POLICIES[name]).parameters)[1:]  # after ctx
+    unknown = [k for k in knobs if k not in takes]
+    if unknown:
+        raise ValueError(f"policy {name} has no knob {unknown[0]!r} (its knobs: "
+                         f"{', '.join(takes)})")
+    return POLICIES[name](ctx, **knobs)
