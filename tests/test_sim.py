@@ -246,6 +246,7 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     (["--policy", "kpa:target=0"], "knob target of 'kpa:target=0' must be > 0, got 0"),
     (["--policy", "kubeai:min=-1"], "knob min of 'kubeai:min=-1' must be ≥ 0, got -1"),
     (["--policy", "static:replicas=1.5"], "knob replicas of 'static:replicas=1.5' is a count"),
+    (["--policy", "static:replicas=0"], "knob replicas of 'static:replicas=0' must be > 0"),
     (["--candidates", "-1"], "--candidates must be ≥ 0 (0: all), got -1"),
     (["--boot-time", "-5"], "--boot-time must be ≥ 0, got -5"),
     (["--boot-jitter", "1"], "--boot-jitter must be in [0, 1), got 1"),
@@ -266,6 +267,12 @@ def test_cli_refuses_bad_options_at_once_naming_them(tmp_path, capsys, args, mes
                  *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"sluice simulate: {message}") and err.count("\n") == 1, err
+
+
+def test_the_clis_routing_choices_are_the_simulated_routers():
+    from sluice.sim import cli, router
+
+    assert cli.ROUTING == router.ROUTING
 
 
 def test_scaling_up_while_replicas_boot_keeps_them_all():

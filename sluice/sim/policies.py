@@ -273,8 +273,9 @@ KNOBS = {"static": "replicas", "sluice": "down", "kubeai": "target", "kpa": "tar
          "keda": "threshold", "dynamo": "util", "dynamo-reactive": "util"}
 
 
-POSITIVE = frozenset(("target", "threshold", "util", "cap", "interval", "window"))  # divisors
-WHOLE = frozenset(("replicas", "min"))  # replica counts
+# knobs that divide (and static's fleet: 0 replicas serve nothing), and replica counts
+POSITIVE = frozenset(("target", "threshold", "util", "cap", "interval", "window", "replicas"))
+WHOLE = frozenset(("replicas", "min"))
 
 
 def parse(spec: str) -> tuple[str, dict[str, float]]:
