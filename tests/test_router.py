@@ -22,7 +22,7 @@ from conftest import free_port, serve
 from test_worker_api import abort_deadline
 from sluice.api import metrics as names
 from sluice.models import store
-from sluice.router.endpoints import Endpoint, EndpointSet, Lease
+from sluice.router.endpoints import BOOT_GRACE_S, Endpoint, EndpointSet, Lease
 from sluice.router.policy import LeastLoadPolicy, RoutingRequest, least_load, make_policy
 
 MODEL = store.DEFAULT_MODEL
@@ -109,11 +109,15 @@ def test_poll_learns_readiness_models_and_backs_off():
             assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a"]
             assert endpoints.serves(MODEL) and not endpoints.serves("other")
             assert [m["id"] for m in endpoints.model_entries()] == [MODEL]
-            c = list(endpoints)[2]
-            assert c.failures == 1 and c.next_poll > time.monotonic()
+            c = list(endpoints)[2]  # booting: never ready since listed, so not backed off
+            assert c.failures == 1 and c.booting(time.monotonic())
+            assert c.next_poll <= time.monotonic()
+            c.listed_at -= BOOT_GRACE_S  # past its boot grace: an unreachable worker
+            await endpoints.poll(client)
+            assert c.failures == 2 and c.next_poll > time.monotonic()
             table["b"] = (200, [MODEL, "other"])
             await endpoints.poll(client)  # c is not due: backed off
-            assert c.failures == 1
+            assert c.failures == 2
             assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a", "http://b"]
             assert [m["id"] for m in endpoints.model_entries()] == [MODEL, "other"]
             endpoints.mark_down(list(endpoints)[0], "test")

@@ -241,6 +241,29 @@ def test_a_loading_worker_gets_nothing():
             assert loading.posts == 0 and ready.posts == 6
 
 
+def test_a_booting_worker_is_routed_within_a_fast_poll_of_its_readiness():
+    """A scale-up's worker is polled every BOOT_POLL_S until its first readiness, not once a
+    poll interval (5 s here), and not backed off while its port is still closed: routed
+    within about a second of binding, then of answering 200. Before, the closed port backed
+    it off to 2-4 poll intervals (10-20 s here)."""
+    unbound, loading = FakeWorker(), FakeWorker()
+    with fakes(0), serve_router([unbound.url, loading.url], free_port(), "--poll-interval", "5") \
+            as router:
+        time.sleep(3)  # several refused polls of the unbound port
+        with loading:
+            loading.health = 503
+            time.sleep(1)
+            loading.health = 200
+            became = time.monotonic()
+            assert wait_until(lambda: loading.url in ready_workers(router), 3)
+            assert time.monotonic() - became < 1.5
+            with unbound:
+                bound = time.monotonic()
+                assert wait_until(lambda: unbound.url in ready_workers(router), 3)
+                assert time.monotonic() - bound < 1.5
+                assert complete(router, "hi").status_code == 200
+
+
 # ------------------------------------------------------------------ slow: real workers
 
 def start_worker(model_path, port: int, log) -> subprocess.Popen:

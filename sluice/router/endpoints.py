@@ -43,6 +43,12 @@ from sluice.router.predictor import DrainMeter, LatencyModel
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_FACTOR = 8  # an unreachable worker is polled at most every 8 poll intervals
+# A listed worker that has never been ready is booting: it is polled every BOOT_POLL_S, and
+# not backed off while unreachable (it has not bound its port yet), for BOOT_GRACE_S after
+# it was listed. A scale-up or a wake from zero is then routed within BOOT_POLL_S of the
+# worker's readiness instead of within a poll interval (or a backed-off 2-8 of them).
+BOOT_POLL_S = 0.2
+BOOT_GRACE_S = 600.0
 REPORT_FRESH_S = 3.0  # a worker's load report older than this is ignored
 
 # the load headers every generation response carries (sluice.worker.generation)
@@ -165,6 +171,8 @@ class Endpoint:
         generated: the worker's output tokens so far (its ``vllm:generation_tokens_total``,
             last scrape).
         generated_at: ``time.monotonic()`` of the last scrape that found ``generated`` grown.
+        listed_at: ``time.monotonic()`` when discovery listed it (again).
+        seen_ready: a poll has found it ready since it was listed.
     """
 
     url: str
@@ -183,6 +191,12 @@ class Endpoint:
     unanswered: set[Unanswered] = field(default_factory=set, repr=False, compare=False)
     generated: float = 0.0
     generated_at: float = -math.inf
+    listed_at: float = field(default_factory=time.monotonic)
+    seen_ready: bool = False
+
+    def booting(self, now: float) -> bool:
+        """Listed, never ready since, and within ``BOOT_GRACE_S`` of being listed."""
+        return self.listed and not self.seen_ready and now - self.listed_at < BOOT_GRACE_S
 
     def summary(self) -> dict[str, Any]:
         return {"url": self.url, "ready": self.ready and self.listed, "listed": self.listed,
@@ -312,6 +326,7 @@ class EndpointSet:
                 joined = True
             elif not endpoint.listed:
                 endpoint.listed, endpoint.ready, endpoint.next_poll = True, False, 0.0
+                endpoint.listed_at, endpoint.seen_ready = time.monotonic(), False
                 logger.info("worker %s listed again", url)
                 joined = True
         if joined and self._wake is not None:
@@ -446,20 +461,41 @@ class EndpointSet:
         await asyncio.gather(*(self._poll_one(client, e) for e in due))
         self.on_polled()
 
+    async def poll_booting(self, client: httpx.AsyncClient) -> None:
+        """Between full polls: re-read the workers file (a change wakes a full poll) and
+        poll the booting endpoints (``Endpoint.booting``) only."""
+        if self.workers_file is not None:
+            self.reload_file()
+        now = time.monotonic()
+        booting = [e for e in self if e.booting(now) and e.next_poll <= now]
+        if booting:
+            await asyncio.gather(*(self._poll_one(client, e) for e in booting))
+            self.on_polled()
+
     async def poll_forever(self, client: httpx.AsyncClient) -> None:
         """Run ``poll`` every ``poll_interval`` seconds, and at once when ``sync`` adds an
-        endpoint, until cancelled."""
+        endpoint, until cancelled; in between, ``poll_booting`` every ``BOOT_POLL_S`` while
+        an endpoint is booting or a workers file is watched."""
         self._wake = wake = asyncio.Event()
         while True:
-            try:
-                await self.poll(client)
-            except Exception:  # a bug here must not stop the poller
-                logger.exception("endpoint poll failed")
-            try:
-                await asyncio.wait_for(wake.wait(), self.poll_interval)
-            except asyncio.TimeoutError:
-                pass
+            await self._guarded(self.poll(client))
+            deadline = time.monotonic() + self.poll_interval
+            while not wake.is_set() and (left := deadline - time.monotonic()) > 0:
+                now = time.monotonic()
+                fast = self.workers_file is not None or any(e.booting(now) for e in self)
+                try:
+                    await asyncio.wait_for(wake.wait(), min(left, BOOT_POLL_S) if fast else left)
+                except asyncio.TimeoutError:
+                    if fast:
+                        await self._guarded(self.poll_booting(client))
             wake.clear()
+
+    @staticmethod
+    async def _guarded(poll: Any) -> None:
+        try:
+            await poll
+        except Exception:  # a bug here must not stop the poller
+            logger.exception("endpoint poll failed")
 
     async def _poll_one(self, client: httpx.AsyncClient, endpoint: Endpoint) -> None:
         try:
@@ -471,7 +507,8 @@ class EndpointSet:
             if endpoint.ready or endpoint.failures == 1:
                 logger.warning("worker %s unreachable: %s", endpoint.url, _describe(exc))
             self.eject(endpoint, "unreachable", f"unreachable: {_describe(exc)}")
-            backoff = min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
+            booting = endpoint.booting(time.monotonic())  # not bound yet: no backoff
+            backoff = 0 if booting else min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
             endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             return
         status = _health_status(health) if health.status_code != 200 else None
@@ -501,6 +538,7 @@ class EndpointSet:
             logger.info("worker %s is %s (models: %s)", endpoint.url,
                         "ready" if ready else "not ready", ", ".join(sorted(endpoint.models)) or "?")
         endpoint.ready = ready
+        endpoint.seen_ready = endpoint.seen_ready or ready
 
 
 def _health_status(response: httpx.Response) -> str | None:
