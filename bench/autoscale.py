@@ -275,15 +275,18 @@ def write_azure_csv(rows: Sequence[workload.TraceRow], path: Path) -> None:
 
 def profile_capacity(worker_url: str, model: str, rows: Sequence[workload.TraceRow],
                      slo: dict, args, workdir: Path) -> dict:
-    """``sluice profile`` of one worker with lengths drawn from the cut's rows (its length
-    mix: at the mean lengths the capacity came out above what one replica holds for the
-    trace, 0.75 req/s for the code cut where static-1 met 56 %); its JSON."""
+    """``sluice profile`` of one worker with the cut's own requests: their lengths (at the
+    mean lengths the capacity came out above what one replica holds for the trace, 0.75
+    req/s for the code cut where static-1 met 56 %) and, with ``--profile-arrivals trace``,
+    their arrivals time-scaled to each step's rate (Poisson steps gave 1.1-1.5 req/s on the
+    default cut, whose bursts one worker holds at 0.5); its JSON."""
     out, lengths = workdir / "profile.json", workdir / "cut_lengths.csv"
     write_azure_csv(rows, lengths)
     argv = [sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "profile", "--url",
             worker_url, "--model", model, "--slo-ttft-ms", str(slo["ttftMs"]), "--slo-itl-ms",
             str(slo["itlMs"]), "--percentile", str(slo["percentile"]),
-            "--lengths-from", str(lengths), "--rates", args.profile_rates,
+            "--lengths-from", str(lengths), "--arrivals", args.profile_arrivals,
+            "--rates", args.profile_rates,
             "--duration", str(args.profile_duration),
             "--min-requests", str(args.profile_min_requests), "--output", str(out)]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -567,6 +570,9 @@ def main() -> int:
     parser.add_argument("--profile-rates", default="0.25,0.5,0.75,1,1.25,1.5,2")
     parser.add_argument("--profile-duration", type=float, default=20.0)
     parser.add_argument("--profile-min-requests", type=int, default=10)
+    parser.add_argument("--profile-arrivals", choices=("trace", "poisson"), default="trace",
+                        help="the profile's arrivals: the cut's own, time-scaled to each "
+                        "step's rate (default), or Poisson")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the configurations this many times, in alternating order")

@@ -132,6 +132,52 @@ def test_lengths_from_a_trace_are_its_rows_drawn_with_a_seed():
         [(s.input_tokens, s.max_tokens, s.arrival_s) for s in specs]
 
 
+def test_trace_arrivals_replay_its_gaps_at_the_steps_rate_with_each_rows_lengths():
+    """--arrivals trace: the trace's own gaps (and the wrap from its end to its start, one
+    mean gap), in order from a seeded row, scaled to the step's mean rate."""
+    from argparse import Namespace
+
+    from sluice.bench import workload
+
+    rows = [workload.TraceRow(0.0, 8, 2), workload.TraceRow(1.0, 16, 3),
+            workload.TraceRow(3.0, 24, 4)]  # gaps 1, 2, then 1.5 back to the start
+    gaps = [1.0, 2.0, 1.5]
+    for seed in range(4):
+        picks = profile.replay(rows, 4 / 3, 10.0, 5, seed)  # trace rate 2/3: gaps halved
+        start = rows.index(picks[0][1])
+        assert picks[0][0] == 0.0
+        assert [b[0] - a[0] for a, b in zip(picks, picks[1:])] == pytest.approx(
+            [gaps[(start + k) % 3] / 2 for k in range(len(picks) - 1)])
+        assert [r.input_tokens for _, r in picks] == [8 * (1 + (start + k) % 3)
+                                                      for k in range(len(picks))]
+        next_at = picks[-1][0] + gaps[(start + len(picks) - 1) % 3] / 2
+        assert picks[-1][0] < 10.0 <= next_at  # every arrival of the 10 s, no more
+    builder = workload.PromptBuilder(workload.Tokenizer(
+        workload.resolve_tokenizer(None, store.DEFAULT_MODEL)))
+    args = Namespace(duration=10.0, min_requests=5, input_len=128, output_len=64,
+                     arrivals="trace")
+    specs = profile.step_specs(builder, 4 / 3, args, seed=1, rows=rows)
+    assert [(s.arrival_s, s.input_tokens, s.max_tokens) for s in specs] == \
+        [(at, r.input_tokens, r.output_tokens) for at, r in profile.replay(rows, 4 / 3, 10.0, 5, 1)]
+    with pytest.raises(ValueError, match="two or more distinct arrival times"):
+        profile.replay(rows[:1], 1.0, 10.0, 5, 0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--arrivals trace replays the --lengths-from trace"),
+    (["--lengths-from", "ONE_ROW"], "two or more distinct arrival times"),
+])
+def test_trace_arrivals_need_a_trace_with_a_rate(tmp_path, capsys, extra, message):
+    one = tmp_path / "one.csv"
+    one.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 00:00:01,10,5\n")
+    extra = [str(one) if a == "ONE_ROW" else a for a in extra]
+    assert cli.main(["profile", "--url", "http://127.0.0.1:9", "--model", "m",
+                     "--slo-ttft-ms", "1000", "--slo-itl-ms", "200", "--arrivals", "trace",
+                     *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sluice profile: ") and message in err
+
+
 # --------------------------------------------------------------------------- real worker
 
 RATES = [1.0, 2.0]

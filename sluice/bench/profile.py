@@ -1,7 +1,10 @@
 """`sluice profile`: one replica's capacity at the SLO's tail, for ``spec.autoscaling.capacityRPS``.
 
-Drives one server (a worker, or a router in front of one) with open-loop Poisson arrivals
-at increasing rates, one step per rate, through `sluice bench`'s runner; each step's
+Drives one server (a worker, or a router in front of one) with open-loop arrivals at
+increasing rates, one step per rate: Poisson, or (``--arrivals trace``) a stretch of the
+``--lengths-from`` trace's own arrivals, time-scaled to the step's mean rate, so that the
+capacity holds for that traffic's bursts (the wait in a queue grows with the arrivals'
+burstiness, as the square of their gaps' coefficient of variation: Kingman's formula), through `sluice bench`'s runner; each step's
 requests all finish before the next step starts. A step *meets* the objectives when every
 request succeeded, the p{percentile} TTFT is within ``--slo-ttft-ms`` and the p{percentile}
 ITL is within ``--slo-itl-ms``. Stepping stops at the first rate that misses; ``--refine``
@@ -71,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "trace (Azure 2023 CSV or Mooncake JSONL; seeded, with replacement) "
                         "instead of --input-len/--output-len: the capacity for the trace's "
                         "length mix, which a long tail of prompts puts below the mean's")
+    parser.add_argument("--arrivals", choices=("poisson", "trace"), default="poisson",
+                        help="poisson (default), or trace: each step replays a stretch of the "
+                        "--lengths-from trace, its arrivals time-scaled to the step's mean rate "
+                        "and each request with its own row's lengths: the capacity for that "
+                        "traffic's burstiness (on-off traffic holds far less than Poisson)")
     parser.add_argument("--rates", default=DEFAULT_RATES,
                         help=f"comma-separated request rates (req/s), tried in increasing order "
                         f"(default {DEFAULT_RATES})")
@@ -201,6 +209,8 @@ def _check(args: argparse.Namespace) -> list[float]:
         value = getattr(args, name)
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value:g}")
+    if args.arrivals == "trace" and not args.lengths_from:
+        raise ValueError("--arrivals trace replays the --lengths-from trace: pass one")
     if not 0 < args.percentile <= 100:
         raise ValueError(f"--percentile must be in (0, 100], got {args.percentile:g}")
     if args.refine < 0:
@@ -229,9 +239,16 @@ def check_server(url: str, model: str, timeout_s: float = 5.0) -> None:
 
 def step_specs(builder: workload.PromptBuilder, rate_rps: float, args: argparse.Namespace,
                seed: int, rows: Sequence[workload.TraceRow] = ()) -> list[workload.RequestSpec]:
-    """One step's requests with Poisson arrival offsets (s): those before ``--duration``,
-    and at least ``--min-requests``; lengths ``--input-len``/``--output-len``, or those of
-    a row of ``rows`` drawn at random (seeded). Prompts are built before the clock starts."""
+    """One step's requests with arrival offsets (s): those before ``--duration``, and at
+    least ``--min-requests``; lengths ``--input-len``/``--output-len``, or those of a row of
+    ``rows`` drawn at random (seeded). With ``args.arrivals == "trace"``, ``rows`` from a
+    seeded start onwards (cyclically) with their own lengths, their offsets × the trace's
+    mean rate / ``rate_rps``. Prompts are built before the clock starts."""
+    if getattr(args, "arrivals", "poisson") == "trace":
+        picks = replay(rows, rate_rps, args.duration, args.min_requests, seed)
+        rng = random.Random(seed)
+        return [workload.RequestSpec(builder.text(row.input_tokens, rng), row.output_tokens,
+                                     row.input_tokens, arrival_s=at) for at, row in picks]
     arrivals = schedule.arrivals(rate_rps, 1.0, seed)
     times = []
     for at in arrivals:
@@ -250,16 +267,42 @@ def step_specs(builder: workload.PromptBuilder, rate_rps: float, args: argparse.
             for at, spec in zip(times, lengths)]
 
 
+def replay(rows: Sequence[workload.TraceRow], rate_rps: float, duration_s: float,
+           min_requests: int, seed: int) -> list[tuple[float, workload.TraceRow]]:
+    """A stretch of a trace at mean rate ``rate_rps``: (offset s, row) from a seeded row on,
+    wrapping around to the trace's start (one mean gap after its end), offsets scaled by the
+    trace's mean rate / ``rate_rps``; those before ``duration_s``, at least ``min_requests``.
+
+    Raises:
+        ValueError: fewer than two rows, or all at one instant (no rate to scale).
+    """
+    span = rows[-1].arrival_s - rows[0].arrival_s if len(rows) > 1 else 0.0
+    if not span > 0:
+        raise ValueError("--arrivals trace needs a trace of two or more distinct arrival times")
+    period = span * len(rows) / (len(rows) - 1)  # the wrap adds one mean gap
+    scale = len(rows) / period / rate_rps
+    start = random.Random(seed).randrange(len(rows))
+    picks: list[tuple[float, workload.TraceRow]] = []
+    while True:
+        laps, index = divmod(start + len(picks), len(rows))
+        at = (rows[index].arrival_s - rows[start].arrival_s + period * laps) * scale
+        if at >= duration_s and len(picks) >= min_requests:
+            return picks
+        picks.append((at, rows[index]))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.steps:
         return step_profile.run(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         rates = _check(args)
+        rows = workload.read_trace(args.lengths_from) if args.lengths_from else []
+        if args.arrivals == "trace":
+            replay(rows, 1.0, 0.0, 1, args.seed)  # a trace with no rate: refused now
         check_server(args.url, args.model)
         tok = workload.Tokenizer(workload.resolve_tokenizer(args.tokenizer, args.model))
         builder = workload.PromptBuilder(tok)
-        rows = workload.read_trace(args.lengths_from) if args.lengths_from else []
     except (ValueError, OSError) as exc:
         print(f"sluice profile: {exc}", file=sys.stderr)
         return 2
@@ -334,10 +377,11 @@ def _ms(value: float | None) -> str:
 
 def write_json(path: str | Path, args: argparse.Namespace, slo: Objectives,
                steps: Sequence[Step], cap: float) -> None:
-    """``{model, url, input_len, output_len, lengths_from, slo, percentile, capacity_rps,
+    """``{model, url, input_len, output_len, lengths_from, arrivals, slo, percentile, capacity_rps,
     duration_s, steps}``; times in ms (``*_ms``) and s (``*_s``), rates in req/s."""
     data = {"model": args.model, "url": args.url, "input_len": args.input_len,
             "output_len": args.output_len, "lengths_from": args.lengths_from,
+            "arrivals": args.arrivals,
             "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms},
             "percentile": slo.percentile, "capacity_rps": cap, "duration_s": args.duration,
             "steps": [asdict(s) for s in steps]}
