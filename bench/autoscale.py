@@ -537,11 +537,11 @@ def _panel(ax, name: str, r: dict, slo: dict) -> None:
 # -------------------------------------------------------------------------------- main
 
 # The autoscaler's windows here (over the example manifest's, which suit a loaded machine):
-# bootSeconds as measured on this machine (a 1-thread SmolLM2 worker: ~6 s from start to
-# /health, ~8 s until the router routes to it) and a scale-down window of two boots. An
-# idle replica kept that long costs what taking it away wrongly costs: a boot of
+# bootSeconds as measured on this machine (a 1-thread SmolLM2 worker: 4-5 s from start to
+# /health, routed within 0.2 s of it) and a scale-down window of two boots. An idle
+# replica kept that long costs what taking it away wrongly costs: a boot of
 # replica-seconds, plus a boot of the smaller fleet's SLO misses (ski rental's break-even).
-SCALING = {"bootSeconds": 8, "scaleDownStabilizationSeconds": 16}
+SCALING = {"bootSeconds": 6, "scaleDownStabilizationSeconds": 12}
 TINY = {"start": 560.0, "span": 40.0, "keep": 0.025, "time_scale": 0.5, "max_input": 128,
         "max_output": 8,
         "profile_rates": "1", "profile_duration": 2.0, "profile_min_requests": 3,

@@ -4,11 +4,11 @@ The real benchmark replays one cut against real workers (~20 minutes for three
 configurations); this replays several cuts of the same kind (``bench/autoscale.py``'s
 ``Cut``: a stretch of an Azure 2023 trace, thinned, time-scaled, lengths scaled and capped)
 through ``sluice simulate`` with the same fleet: max 2 replicas, the benchmark's boot
-(8 s: a 1-thread SmolLM2 worker's measured start to routed), the benchmark's SLO, the
+(6 s: a 1-thread SmolLM2 worker's measured start to routed), the benchmark's SLO, the
 measured SmolLM2 step profile, and one replica's capacity calibrated by the simulator for
 each cut's lengths. Per cut it runs the clairvoyant oracle (the best any policy could do),
-static 1 and 2 replicas, and Sluice's policy (``recommend``, the benchmark's scale-down
-window, 16 s), and reports SLO attainment (both objectives) and replica-hours relative to static-2.
+static 1 and 2 replicas, and Sluice's policy (``recommend`` every 0.5 s as ``sluice up``
+decides, ``--tick-s``; the benchmark's scale-down window), and reports SLO attainment (both objectives) and replica-hours relative to static-2.
 
 Issue 9's target, per cut: Sluice within 1 point of static-2's attainment at <= 70 % of its
 replica-seconds. The oracle's column says whether a cut allows it at all.
@@ -38,7 +38,7 @@ from sluice.cli import main as sluice_main  # noqa: E402
 
 PROFILE = ROOT / "sluice" / "sim" / "profiles" / "SmolLM2-135M-Instruct.json"
 POLICIES = {"oracle": "oracle", "static-1": "static:replicas=1",
-            "static-2": "static:replicas=2", "sluice": "sluice:down={down:g}"}
+            "static-2": "static:replicas=2", "sluice": "sluice:down={down:g},tick={tick:g}"}
 # (start s, span s, keep, time scale, trace): code-trace stretches that static-2 serves
 # (>= 95 % in the simulator), bench/autoscale.py's default first, and a 10x-compressed
 # conversation trace, whose load ramps instead of switching on and off.
@@ -59,7 +59,7 @@ def run_cut(cut: Cut, args: argparse.Namespace, workdir: Path) -> dict:
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms),
             "--no-progress", "--oracle-passes", "1", "--output", str(output)]
     for policy in list(POLICIES.values())[1:]:  # the simulator runs the oracle anyway
-        argv += ["--policy", policy.format(down=args.scale_down_s)]
+        argv += ["--policy", policy.format(down=args.scale_down_s, tick=args.tick_s)]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         status = sluice_main(argv)
     if status != 0:
@@ -90,6 +90,8 @@ def main() -> int:
     parser.add_argument("--scale-down-s", type=float,
                         default=SCALING["scaleDownStabilizationSeconds"],
                         help="Sluice's scale-down window (default: the benchmark manifest's)")
+    parser.add_argument("--tick-s", type=float, default=0.5,
+                        help="seconds between Sluice's decisions (default: sluice up's)")
     parser.add_argument("--out", default="bench/results/autoscale_sim.json")
     args = parser.parse_args()
     specs = [tuple(c.split(",")) for c in args.cut] or CUTS
@@ -109,7 +111,8 @@ def main() -> int:
           f"target: sluice >= static-2 - {TARGET_POINTS:g} point at <= {TARGET_RATIO:.0%}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"boot_s": args.boot_s, "profile": Path(args.profile).name,
+    out.write_text(json.dumps({"boot_s": args.boot_s, "tick_s": args.tick_s,
+                               "profile": Path(args.profile).name,
                                "slo": {"ttftMs": args.slo_ttft_ms, "itlMs": args.slo_itl_ms},
                                "cuts": rows}, indent=1))
     print(f"wrote {out}")

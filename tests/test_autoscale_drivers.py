@@ -9,6 +9,7 @@ import json
 import types
 from pathlib import Path
 
+import httpx
 import pytest
 
 from sluice.autoscale.observe import observe
@@ -183,6 +184,38 @@ def test_a_drain_that_outlives_its_deadline_is_stopped(tmp_path: Path):
     assert retired == []
     scaler._drain(busy, 30.0)
     assert retired == ["worker-1"]
+
+
+def test_a_burst_starts_a_worker_at_the_next_supervisor_round(tmp_path: Path):
+    """Decisions come every 0.5 s (the supervisor's period), not every 2 s: a burst's first
+    seconds are what the interval costs. The router's two GETs are answered by a
+    MockTransport from a real ``Demand``: the driver's timing is the subject, not HTTP."""
+    demand, started = Demand(), []
+    workers = [child("worker-0", "http://a")]
+    now = [0.0]
+
+    def router(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"workers": [
+                {"url": w.url, "ready": w.url == "http://a", "listed": True, "in_flight": 0}
+                for w in workers]})
+        return httpx.Response(200, json={"models": demand.snapshot()})
+
+    def add_worker():
+        started.append(now[0])
+        return child(f"worker-{len(started)}", f"http://w{len(started)}")
+
+    scaler = LocalAutoscaler(MODEL, Config(max_replicas=2, capacity_rps=1.0, boot_s=5.0),
+                             "http://router", tmp_path / "workers.json", add_worker=add_worker,
+                             retire_worker=lambda c: None, workers=workers,
+                             clock=lambda: now[0])
+    client = httpx.Client(transport=httpx.MockTransport(router))
+    scaler.tick(client)  # the first snapshot opens the window
+    for _ in range(4):
+        demand.arrived(MODEL)
+    now[0] = 0.5
+    scaler.tick(client)
+    assert started == [0.5] and len(scaler.workers) == 2
 
 
 @pytest.mark.parametrize("bad", [{"min_replicas": 0}, {"max_replicas": 0}])

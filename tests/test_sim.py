@@ -206,6 +206,10 @@ def test_policies_parse_knobs_and_reject_unknown_ones():
     ctx = Context(capacity_rps=1.0, max_rps=2.0, boot_s=30, max_replicas=10, peak=4)
     assert parse("kpa:target=10,util=0.5") == ("kpa", {"target": 10.0, "util": 0.5})
     assert make("static", {}, ctx).decide(Tick(now=0, window_s=1)) == 4
+    assert make("sluice", {}, ctx).interval_s == 2.0  # between sluice up's and the operator's
+    assert make("sluice", {"tick": 0.5}, ctx).interval_s == 0.5
+    with pytest.raises(ValueError, match="knob tick of 'sluice:tick=0' must be > 0"):
+        parse("sluice:tick=0")
     with pytest.raises(ValueError, match="unknown policy"):
         parse("hpa")
     with pytest.raises(ValueError, match="kpa"):

@@ -6,7 +6,7 @@ counterpart would scrape) and returns the replicas it wants. The simulator appli
 same way for all: new replicas boot, removed ones drain (``sluice.sim.simulator``).
 
     static          a fixed count (default: the oracle's peak)
-    sluice          sluice.autoscale.policy.recommend, every 2 s (the local driver's interval)
+    sluice          sluice.autoscale.policy.recommend, every 2 s (knob tick; sluice up: 0.5 s)
     kubeai          KubeAI: ceil(moving average of in-flight requests (at its proxy: sent,
                     queued or held) over timeWindow ÷
                     targetRequests), every 10 s, window 10 min, scale-down delay 30 s
@@ -126,17 +126,18 @@ class Static:
 
 
 class Sluice:
-    """The production policy (``recommend``) with the local driver's 2 s interval.
+    """The production policy (``recommend``), deciding every ``tick`` seconds (default 2,
+    between ``sluice up``'s 0.5 and the operator's 5).
 
-    Knobs: down (scale-down stabilisation, s: the main knob, the one a user tunes to
-    trade replica-hours for attainment; default the spec's 300), cap (× the calibrated
-    capacity_rps), zero (1: scale to zero after idle_s), margin (``Config.down_margin``).
+    Knobs: down (scale-down stabilisation, s: the main knob, the one a user tunes to trade
+    replica-hours for attainment; default the spec's 300), cap (× the calibrated
+    capacity_rps), zero (1: scale to zero after idle_s), margin (``Config.down_margin``),
+    tick (s between decisions).
     """
 
-    interval_s = 2.0
-
     def __init__(self, ctx: Context, cap: float = 1.0, zero: float = 0, down: float = 300.0,
-                 idle: float = 300.0, margin: float = Config.down_margin):
+                 idle: float = 300.0, margin: float = Config.down_margin, tick: float = 2.0):
+        self.interval_s = tick
         self.config = Config(min_replicas=0 if zero else 1, max_replicas=ctx.max_replicas,
                              scale_to_zero=bool(zero), idle_s=idle, scale_down_window_s=down,
                              down_margin=margin,
@@ -274,7 +275,8 @@ KNOBS = {"static": "replicas", "sluice": "down", "kubeai": "target", "kpa": "tar
 
 
 # knobs that divide (and static's fleet: 0 replicas serve nothing), and replica counts
-POSITIVE = frozenset(("target", "threshold", "util", "cap", "interval", "window", "replicas"))
+POSITIVE = frozenset(("target", "threshold", "util", "cap", "interval", "window", "replicas",
+                      "tick"))
 WHOLE = frozenset(("replicas", "min"))
 
 
