@@ -133,8 +133,10 @@ def test_lengths_from_a_trace_are_its_rows_drawn_with_a_seed():
 
 
 def test_trace_arrivals_replay_its_gaps_at_the_steps_rate_with_each_rows_lengths():
-    """--arrivals trace: the trace's own gaps (and the wrap from its end to its start, one
-    mean gap), in order from a seeded row, scaled to the step's mean rate."""
+    """--arrivals trace: rate x duration consecutive rows from a seeded one (wrapping from
+    the trace's end to its start, one mean gap), in their own gaps' proportions, scaled so
+    that the step delivers its rate: the n gaps, the one after the last row included, last
+    n / rate seconds."""
     from argparse import Namespace
 
     from sluice.bench import workload
@@ -143,15 +145,20 @@ def test_trace_arrivals_replay_its_gaps_at_the_steps_rate_with_each_rows_lengths
             workload.TraceRow(3.0, 24, 4)]  # gaps 1, 2, then 1.5 back to the start
     gaps = [1.0, 2.0, 1.5]
     for seed in range(4):
-        picks = profile.replay(rows, 4 / 3, 10.0, 5, seed)  # trace rate 2/3: gaps halved
+        picks = profile.replay(rows, 4 / 3, 6.0, 5, seed)  # 8 requests in 6 s
         start = rows.index(picks[0][1])
-        assert picks[0][0] == 0.0
+        own = [gaps[(start + k) % 3] for k in range(len(picks))]
+        scale = 6.0 / sum(own)
+        assert len(picks) == 8 and picks[0][0] == 0.0
         assert [b[0] - a[0] for a, b in zip(picks, picks[1:])] == pytest.approx(
-            [gaps[(start + k) % 3] / 2 for k in range(len(picks) - 1)])
+            [g * scale for g in own[:-1]])
         assert [r.input_tokens for _, r in picks] == [8 * (1 + (start + k) % 3)
                                                       for k in range(len(picks))]
-        next_at = picks[-1][0] + gaps[(start + len(picks) - 1) % 3] / 2
-        assert picks[-1][0] < 10.0 <= next_at  # every arrival of the 10 s, no more
+    assert len(profile.replay(rows, 4 / 3, 1.0, 5, 0)) == 5  # at least --min-requests
+    instant = [workload.TraceRow(0.0, 8, 2), workload.TraceRow(0.0, 8, 2),
+               workload.TraceRow(0.0, 8, 2), workload.TraceRow(2.0, 8, 2)]
+    picks = profile.replay(instant, 1.0, 2.0, 1, 2)  # seed 2 starts at row 0: 2 rows take
+    assert [at for at, _ in picks] == [0.0, 0.0, 0.0]  # no time; 3 rows at 1 req/s: 3 s
     builder = workload.PromptBuilder(workload.Tokenizer(
         workload.resolve_tokenizer(None, store.DEFAULT_MODEL)))
     args = Namespace(duration=10.0, min_requests=5, input_len=128, output_len=64,
@@ -161,6 +168,18 @@ def test_trace_arrivals_replay_its_gaps_at_the_steps_rate_with_each_rows_lengths
         [(at, r.input_tokens, r.output_tokens) for at, r in profile.replay(rows, 4 / 3, 10.0, 5, 1)]
     with pytest.raises(ValueError, match="two or more distinct arrival times"):
         profile.replay(rows[:1], 1.0, 10.0, 5, 0)
+
+
+def test_trace_arrivals_deliver_the_steps_rate_from_any_stretch_of_an_on_off_trace():
+    """A 20 s step at 1.6 req/s is 32 requests over 20 s wherever its stretch starts; scaled
+    by the whole trace's rate, a stretch of an idle spell brought a handful and passed."""
+    from sluice.bench import workload
+
+    rows = workload.read_trace("/work/shared/traces/azure2023_code.csv")
+    rows = [r for r in rows if 2100 <= r.arrival_s < 2700][::25]  # on and off, like the cut
+    for seed in range(20):
+        picks = profile.replay(rows, 1.6, 20.0, 10, seed)
+        assert len(picks) == 32 and picks[-1][0] < 20.0
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -2,9 +2,10 @@
 
 Drives one server (a worker, or a router in front of one) with open-loop arrivals at
 increasing rates, one step per rate: Poisson, or (``--arrivals trace``) a stretch of the
-``--lengths-from`` trace's own arrivals, time-scaled to the step's mean rate, so that the
-capacity holds for that traffic's bursts (the wait in a queue grows with the arrivals'
-burstiness, as the square of their gaps' coefficient of variation: Kingman's formula), through `sluice bench`'s runner; each step's
+``--lengths-from`` trace's own arrivals (consecutive rows), time-scaled to deliver the
+step's rate, so that the capacity holds for that traffic's bursts (the wait in a queue
+grows with the arrivals' burstiness, as the square of their gaps' coefficient of
+variation: Kingman's formula), through `sluice bench`'s runner; each step's
 requests all finish before the next step starts. A step *meets* the objectives when every
 request succeeded, the p{percentile} TTFT is within ``--slo-ttft-ms`` and the p{percentile}
 ITL is within ``--slo-itl-ms``. Stepping stops at the first rate that misses; ``--refine``
@@ -241,9 +242,9 @@ def step_specs(builder: workload.PromptBuilder, rate_rps: float, args: argparse.
                seed: int, rows: Sequence[workload.TraceRow] = ()) -> list[workload.RequestSpec]:
     """One step's requests with arrival offsets (s): those before ``--duration``, and at
     least ``--min-requests``; lengths ``--input-len``/``--output-len``, or those of a row of
-    ``rows`` drawn at random (seeded). With ``args.arrivals == "trace"``, ``rows`` from a
-    seeded start onwards (cyclically) with their own lengths, their offsets × the trace's
-    mean rate / ``rate_rps``. Prompts are built before the clock starts."""
+    ``rows`` drawn at random (seeded). With ``args.arrivals == "trace"``, ``replay``'s stretch
+    of ``rows`` at ``rate_rps``, each request with its row's lengths. Prompts are built
+    before the clock starts."""
     if getattr(args, "arrivals", "poisson") == "trace":
         picks = replay(rows, rate_rps, args.duration, args.min_requests, seed)
         rng = random.Random(seed)
@@ -269,9 +270,15 @@ def step_specs(builder: workload.PromptBuilder, rate_rps: float, args: argparse.
 
 def replay(rows: Sequence[workload.TraceRow], rate_rps: float, duration_s: float,
            min_requests: int, seed: int) -> list[tuple[float, workload.TraceRow]]:
-    """A stretch of a trace at mean rate ``rate_rps``: (offset s, row) from a seeded row on,
-    wrapping around to the trace's start (one mean gap after its end), offsets scaled by the
-    trace's mean rate / ``rate_rps``; those before ``duration_s``, at least ``min_requests``.
+    """A stretch of a trace at mean rate ``rate_rps``: (offset s, row) for
+    n = max(``min_requests``, ceil(rate x ``duration_s``)) consecutive rows from a seeded
+    row on, wrapping around to the trace's start (one mean gap after its end), their gaps
+    scaled so that the n gaps (the one after the last row included) last n / ``rate_rps``
+    seconds. So a step delivers its nominal rate whichever stretch it drew, in that
+    stretch's own burst shape. (Scaled by the whole trace's mean rate instead, a 20 s
+    stretch of an on-off trace brought anywhere from none to several times the step's rate:
+    11 requests in 20 s of a "1.6 req/s" step, which then passed.) Rows at one instant take
+    more rows until time passes.
 
     Raises:
         ValueError: fewer than two rows, or all at one instant (no rate to scale).
@@ -280,15 +287,17 @@ def replay(rows: Sequence[workload.TraceRow], rate_rps: float, duration_s: float
     if not span > 0:
         raise ValueError("--arrivals trace needs a trace of two or more distinct arrival times")
     period = span * len(rows) / (len(rows) - 1)  # the wrap adds one mean gap
-    scale = len(rows) / period / rate_rps
     start = random.Random(seed).randrange(len(rows))
-    picks: list[tuple[float, workload.TraceRow]] = []
-    while True:
-        laps, index = divmod(start + len(picks), len(rows))
-        at = (rows[index].arrival_s - rows[start].arrival_s + period * laps) * scale
-        if at >= duration_s and len(picks) >= min_requests:
-            return picks
-        picks.append((at, rows[index]))
+
+    def offset(k: int) -> float:  # trace seconds from the start row to its k-th successor
+        laps, index = divmod(start + k, len(rows))
+        return rows[index].arrival_s - rows[start].arrival_s + period * laps
+
+    n = max(1, min_requests, math.ceil(rate_rps * duration_s - 1e-9))
+    while not offset(n) > 0:
+        n += 1
+    scale = n / rate_rps / offset(n)
+    return [(offset(k) * scale, rows[(start + k) % len(rows)]) for k in range(n)]
 
 
 def run(args: argparse.Namespace) -> int:
