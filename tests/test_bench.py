@@ -287,6 +287,16 @@ def test_chat_stream_skips_role_and_usage_chunks():
     assert (r.usage_input_tokens, r.usage_output_tokens) == (9, 3)
 
 
+def test_a_stream_splits_at_line_feeds_only():
+    """U+2028, U+0085 and a lone CR inside a JSON string are text, not line ends (httpx's
+    aiter_lines splits there and the event failed as bad_stream); CRLF ends a line."""
+    text = "one\u2028two\u0085three\rfour"
+    body = ("data: " + json.dumps({"choices": [{"text": text}]}, ensure_ascii=False)
+            + "\r\n\r\ndata: [DONE]\r\n\r\n").encode()
+    r = _send(httpx.Response(200, content=body))
+    assert r.ok and r._texts == [text]
+
+
 @pytest.mark.parametrize("response, code", [
     (httpx.Response(404, json={"error": {"message": "no such model", "code": "model_not_found",
                                          "type": "invalid_request_error"}}), "404"),

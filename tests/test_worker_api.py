@@ -169,6 +169,16 @@ def test_non_ascii_stream_has_no_replacement_chars(worker_url, messages):
     assert streamed_text(chunks, chat=True) == whole
 
 
+def test_line_separators_in_text_keep_each_event_one_line(worker_url):
+    """U+2028, U+2029 and U+0085 in an echoed prompt: each event stays one line for a
+    client that splits lines like str.splitlines (httpx's iter_lines, which ``stream``
+    uses), and the text comes back unchanged."""
+    prompt = "Line one\u2028line two\u2029three\u0085four"
+    chunks = stream(worker_url, "/v1/completions", {"prompt": prompt, "max_tokens": 1,
+                                                    "echo": True, "temperature": 0})
+    assert streamed_text(chunks, chat=False).startswith(prompt)
+
+
 # --------------------------------------------------------------------------- stop strings
 
 

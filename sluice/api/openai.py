@@ -670,10 +670,20 @@ def model_list(name: str, max_model_len: int, root: str, created: int | None = N
     }]}
 
 
+# Characters that JSON leaves raw (with ensure_ascii=False) and Python's str.splitlines,
+# which httpx's iter_lines follows, takes for line ends: escaped, an event stays one line.
+_LINE_BREAKS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def sse(data: dict | str) -> bytes:
-    """One server-sent event: ``data: <json>\\n\\n`` (a str is sent as is, e.g. [DONE])."""
+    """One server-sent event: ``data: <json>\\n\\n`` (a str is sent as is, e.g. [DONE]).
+    Non-ASCII text goes out as UTF-8, except U+0085, U+2028 and U+2029, which are escaped:
+    raw, they split the event for clients that read lines with ``str.splitlines``."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
                                                              separators=(",", ":"))
+    for char, escaped in _LINE_BREAKS.items():
+        if char in payload:
+            payload = payload.replace(char, escaped)
     return f"data: {payload}\n\n".encode("utf-8")
 
 

@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -124,7 +125,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: Reque
             record.fail(str(response.status_code), _error_message(raw))
             return
         done = False
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             if not line.startswith("data:"):
                 continue
             payload = line[5:].strip()
@@ -150,6 +151,20 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, record: Reque
             record.fail("incomplete_stream", "the stream ended without [DONE]")
             return
         record.ok = True
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """An event stream's lines, split where the SSE spec ends a line (LF, CRLF) and nowhere
+    else: httpx's ``aiter_lines`` also splits at U+2028, U+0085 and the like, which JSON may
+    carry raw inside a string (a server that writes its JSON as UTF-8 does)."""
+    pending = ""
+    async for text in response.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
 
 
 def _error_message(raw: bytes) -> str:
