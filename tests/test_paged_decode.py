@@ -9,8 +9,12 @@ output to the cache dtype, SDPA some intermediates too).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -111,3 +115,50 @@ def test_switch_off_missing_compiler_and_failed_build_fall_back(monkeypatch, cap
         "RuntimeError: no C++ compiler: '/nonexistent/c++' not found",
         "RuntimeError: Error building extension 'sluice_paged_decode' "
         "paged_decode.cpp:13:10: fatal error: ATen/ATen.h: No such file or directory"]
+
+
+def test_the_build_folder_is_keyed_by_environment_and_source(tmp_path, monkeypatch):
+    """Two venvs (or two checkouts) sharing one extensions cache keep a build each."""
+    here = attention._build_directory(tmp_path)
+    assert here.parent == tmp_path and here == attention._build_directory(tmp_path)
+    monkeypatch.setattr(sys, "prefix", "/another/venv")
+    assert attention._build_directory(tmp_path) != here
+
+
+def test_a_killed_builds_lock_is_waited_for_then_removed(tmp_path, caplog):
+    lock = tmp_path / "lock"
+    assert attention.clear_stale_lock(lock) is False  # none
+    lock.touch()
+    old = time.time() - attention.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+        assert attention.clear_stale_lock(lock) is True
+    assert not lock.exists() and "must have been killed" in caplog.text
+    lock.touch()  # fresh: waited for until it is stale_s old
+    start = time.monotonic()
+    assert attention.clear_stale_lock(lock, stale_s=0.3, poll_s=0.05) is True
+    assert time.monotonic() - start >= 0.25 and not lock.exists()
+    lock.touch()  # released by the build that holds it: not touched
+    threading.Timer(0.1, lock.unlink).start()
+    start = time.monotonic()
+    assert attention.clear_stale_lock(lock, stale_s=30, poll_s=0.05) is False
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.slow
+def test_a_worker_builds_the_kernel_past_a_killed_builds_lock(tmp_path):
+    """A fresh extensions folder whose build folder holds a lock left by a killed build:
+    the kernel is built and loaded (before, torch waited on the lock forever). In a child
+    process: this one may have loaded the op already, and an op registers once."""
+    code = ("import os, time, sys; from pathlib import Path; "
+            "from sluice.worker.engine import attention as a; "
+            "d = a._build_directory(Path(os.environ['TORCH_EXTENSIONS_DIR'])); "
+            "d.mkdir(parents=True); (d / 'lock').touch(); "
+            "t = time.time() - a.STALE_LOCK_S - 1; os.utime(d / 'lock', (t, t)); "
+            "print(a.native_paged_decode(a.torch.device('cpu')) is not None, "
+            "(d / 'lock').exists())")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False"], proc.stdout + proc.stderr

@@ -14,7 +14,10 @@ causally, over their cached prefix plus the chunk. GQA is handled by SDPA's ``en
 Decode on CPU runs a C++ kernel (``csrc/paged_decode.cpp``, vLLM paged attention v1 with
 FlashDecoding's online softmax) that reads the blocks in place. It is compiled with
 ``torch.utils.cpp_extension`` on first use and cached in the torch extensions folder
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Elsewhere (CUDA), when
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), in a folder keyed by the
+source, the Python environment and torch (``_build_directory``): two checkouts' venvs
+sharing one cache each keep their build, where a folder keyed by name alone was rebuilt
+(8-11 s) at every worker start of the other one. Elsewhere (CUDA), when
 ``SLUICE_NATIVE_KERNELS=0``, or when the build fails (logged once), decode is one batched
 SDPA over the gathered blocks with a length mask.
 """
@@ -22,9 +25,12 @@ SDPA over the gathered blocks with a length mask.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,14 +166,50 @@ def _load_paged_decode() -> Callable[..., torch.Tensor] | None:
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        build = _build_directory(Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                                      or cpp_extension.get_default_build_root()))
+        build.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build / "lock")
         cpp_extension.load(name="sluice_paged_decode", sources=[str(_PAGED_DECODE_SRC)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False)
+                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                           build_directory=str(build), is_python_module=False)
     except Exception as err:  # no compiler, headers or ninja: serve on the slower path
         logger.warning("native paged decode kernel unavailable, decode attention uses gather + SDPA: %s",
                        _build_failure(err))
         return None
     return torch.ops.sluice.paged_decode
+
+
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# A build holds torch's lock file (``lock`` in its folder) for ~20 s here; one older than
+# this is a build that was killed, and would make every later worker wait for it forever.
+STALE_LOCK_S = 120.0
+
+
+def _build_directory(root: Path) -> Path:
+    """The kernel's build folder under ``root``: keyed by the source, the flags, this
+    Python environment (its headers and libraries) and torch's version."""
+    key = hashlib.sha256(b"\0".join([_PAGED_DECODE_SRC.read_bytes(), " ".join(_CFLAGS).encode(),
+                                      sys.prefix.encode(), torch.__version__.encode()]))
+    return root / f"sluice_paged_decode_{key.hexdigest()[:12]}"
+
+
+def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> bool:
+    """Wait while another process's build holds ``lock``, until the lock is ``stale_s``
+    seconds old; then remove it (logged) and return True. False when there was none or it
+    was released. (torch's own wait has no end: a worker killed mid-build, e.g. by its
+    supervisor, left every later worker of that cache hanging before its first log line.)"""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age >= stale_s:
+            logger.warning("removing the native kernel's build lock %s, %.0f s old: the build "
+                           "that took it must have been killed", lock, age)
+            lock.unlink(missing_ok=True)
+            return True
+        time.sleep(min(poll_s, stale_s - age))
 
 
 def _build_failure(err: Exception) -> str:
