@@ -98,10 +98,12 @@ def test_each_worker_gets_its_share_of_the_cores(caplog):
     assert f"2 worker(s) x {cores} thread(s) exceed this machine's {cores} cores" in caplog.text
 
 
-def test_initial_replicas_follow_the_autoscaling_bounds():
+def test_initial_replicas_follow_the_autoscaling_bounds(caplog):
     scaled = {"enabled": True}
     assert initial_replicas(parse_manifest(manifest(replicas=5, maxReplicas=2,
                                                     autoscaling=scaled)), None) == 2
+    assert "starting 2 worker(s), not 5: autoscaling keeps replicas within minReplicas 1 " \
+        "and maxReplicas 2" in caplog.text
     assert initial_replicas(parse_manifest(manifest(replicas=1, minReplicas=2, maxReplicas=3,
                                                     autoscaling=scaled)), None) == 2
     zero = parse_manifest(manifest(replicas=0, minReplicas=0, maxReplicas=2,
@@ -250,6 +252,21 @@ def test_busy_port_exits_2_before_starting_anything():
     assert result.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "started" not in result.stderr
+
+
+def test_a_metrics_port_that_is_taken_exits_2_before_starting_anything():
+    port = free_port()
+    for metrics_port, message in ((port, f"--metrics-port {port} is the router's --port"),
+                                  (None, "pick another with --metrics-port")):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f",
+                                     str(EXAMPLE), "--port", str(port), "--metrics-port",
+                                     str(metrics_port or taken.getsockname()[1])],
+                                    capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert "started" not in result.stderr
 
 
 # ------------------------------------------------------------------ real processes

@@ -120,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
         services = load_manifests(args.file)
         check_services(services, args.file)
         _check_port_free(args.host, args.port)  # before a fetch that may take minutes
+        if args.metrics_port:
+            if args.metrics_port == args.port:
+                raise ValueError(f"--metrics-port {args.metrics_port} is the router's --port; "
+                                 "pick another")
+            _check_port_free("127.0.0.1", args.metrics_port, "--metrics-port")
         up = plan(services, args, state_dir / "workers.json")
     except Exception as exc:  # bad manifest, model fetch failure, busy port: one line, exit 2
         logger.error("%s", exc)
@@ -265,7 +270,12 @@ def initial_replicas(service: InferenceService, override: int | None) -> int:
     replicas = spec.replicas if override is None else override
     if spec.autoscaling.enabled:
         policy = Config.from_spec(spec)
-        replicas = min(max(replicas, policy.min_replicas), policy.max_replicas)
+        bounded = min(max(replicas, policy.min_replicas), policy.max_replicas)
+        if bounded != replicas:
+            logger.warning("starting %d worker(s), not %d: autoscaling keeps replicas within "
+                           "minReplicas %d and maxReplicas %d", bounded, replicas,
+                           policy.min_replicas, policy.max_replicas)
+        replicas = bounded
     if replicas == 0 and not (spec.autoscaling.enabled and spec.autoscaling.scale_to_zero):
         raise ValueError("0 replicas: nothing would serve; pass --replicas N (N >= 1), or "
                          "enable autoscaling with scaleToZero")
@@ -356,15 +366,15 @@ def router_child(host: str, port: int, log_level: str, router_args: list[str],
     return Child("router", argv, f"http://{connect_host}:{port}", ready_workers=ready_workers)
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Raises ValueError if the router's address is taken (before any child starts)."""
+def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """Raises ValueError if the address (``flag``'s) is taken (before any child starts)."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
             raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror}); "
-                             "pick another with --port") from None
+                             f"pick another with {flag}") from None
 
 
 def free_port() -> int:
