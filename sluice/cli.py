@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from sluice.local.parent import watch_parent
+
 COMMANDS = {
     "up": ("sluice.local.supervisor", "run an InferenceService manifest as local processes"),
     "worker": ("sluice.worker.server", "serve one model over the OpenAI API"),
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    watch_parent()  # a sluice up child: stop with the supervisor
     return modules[args.command].run(args) or 0
 
 

@@ -414,6 +414,28 @@ def test_sigterm_stops_every_child(up):
 
 
 @slow
+def test_a_killed_supervisors_children_stop_on_their_own(tmp_path):
+    """SIGKILL of `sluice up` stops nothing itself; its worker and router see their parent
+    gone (sluice.local.parent) and stop within a few seconds (they lived on, holding their
+    ports, before)."""
+    up = Up(["--replicas", "1"], tmp_path / "up.log")
+    children = up.descendants()
+    try:
+        assert len(children) >= 2
+        up.proc.kill()
+        up.proc.wait(10)
+        deadline = time.monotonic() + 20
+        while not gone(children):
+            assert time.monotonic() < deadline, [p.cmdline() for p in children if p.is_running()]
+            time.sleep(0.25)
+    finally:
+        up.close()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+@slow
 def test_replicas_override_restart_and_ctrl_c(tmp_path):
     """One worker (--replicas 1): killed, it is restarted and serves again; SIGINT exits 0."""
     up = Up(["--replicas", "1"], tmp_path / "up.log")

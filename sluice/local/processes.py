@@ -3,7 +3,8 @@
 Each child runs in its own process group, its output forwarded to this process's stdout
 prefixed by its name. ``Supervisor.wait_healthy`` waits (with a deadline) until all are
 healthy; ``supervise`` restarts a child that dies, with backoff; ``stop_all`` sends SIGTERM,
-then SIGKILL after a grace period, to each child's whole group.
+then SIGKILL after a grace period, to each child's whole group. A child stops itself when
+this process is gone without stopping it (SIGKILL: ``sluice.local.parent``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+
+from sluice.local.parent import PARENT_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ class Supervisor:
         logger.info("stopping %s (scaled down)", child.name)
 
     def _start(self, child: Child) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid()), **child.env}
         child.proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         child.started = time.monotonic()
