@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-PROBE_PATHS = ("/health", "/livez", "/metrics", "/v1/models")
+PROBE_PATHS = ("/health", "/livez", "/metrics", "/v1/models", "/autoscale/demand")
 
 
 def _not_a_probe(record: logging.LogRecord) -> bool:
@@ -14,7 +14,8 @@ def _not_a_probe(record: logging.LogRecord) -> bool:
 
 
 def quiet_probe_access_logs() -> None:
-    """Drop uvicorn access-log lines of answered GET /health, /livez, /metrics and
-    /v1/models: the router polls every worker about once a second and kubelets probe every
-    pod, which would flood the logs."""
+    """Drop uvicorn access-log lines of answered GET /health, /livez, /metrics, /v1/models
+    and /autoscale/demand: the router polls every worker about once a second, kubelets
+    probe every pod and ``sluice up``'s autoscaler reads the router twice a second, which
+    would flood the logs."""
     logging.getLogger("uvicorn.access").addFilter(_not_a_probe)

@@ -97,7 +97,7 @@ def fake_workers(table: dict[str, tuple[int, list[str]] | None]) -> httpx.AsyncC
     return httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
 
-def test_poll_learns_readiness_models_and_backs_off():
+def test_poll_learns_readiness_models_and_backs_off(caplog):
     table = {"a": (200, [MODEL]), "b": (503, [MODEL]), "c": None}
     endpoints = EndpointSet(["http://c/", "http://a", "http://b", "http://a/"])
     assert [e.url for e in endpoints] == ["http://a", "http://b", "http://c"]
@@ -110,14 +110,16 @@ def test_poll_learns_readiness_models_and_backs_off():
             assert endpoints.serves(MODEL) and not endpoints.serves("other")
             assert [m["id"] for m in endpoints.model_entries()] == [MODEL]
             c = list(endpoints)[2]  # booting: never ready since listed, so not backed off
-            assert c.failures == 1 and c.booting(time.monotonic())
+            assert c.failures == 0 and c.booting(time.monotonic())
             assert c.next_poll <= time.monotonic()
+            assert "unreachable" not in caplog.text  # starting is not failing
             c.listed_at -= BOOT_GRACE_S  # past its boot grace: an unreachable worker
             await endpoints.poll(client)
-            assert c.failures == 2 and c.next_poll > time.monotonic()
+            assert c.failures == 1 and c.next_poll > time.monotonic()
+            assert caplog.text.count("worker http://c unreachable") == 1
             table["b"] = (200, [MODEL, "other"])
             await endpoints.poll(client)  # c is not due: backed off
-            assert c.failures == 2
+            assert c.failures == 1
             assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a", "http://b"]
             assert [m["id"] for m in endpoints.model_entries()] == [MODEL, "other"]
             endpoints.mark_down(list(endpoints)[0], "test")

@@ -11,6 +11,7 @@ stalls), and for exact usage numbers.
 
 from __future__ import annotations
 
+import logging
 import ast
 import asyncio
 import hashlib
@@ -830,3 +831,17 @@ def test_api_keys_from_an_existing_secret_and_defaults(helm):
 def test_bad_router_security_values_fail_with_a_message(helm, values, message):
     done = run_helm(helm, "template", RELEASE, str(CHART), *values, check=False)
     assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+def test_autoscaler_and_probe_reads_leave_no_access_log_lines():
+    """sluice up's autoscaler reads /autoscale/demand twice a second: like the probes, an
+    answered GET of it is not an access-log line; requests are."""
+    from sluice.logs import _not_a_probe
+
+    def record(method: str, path: str, status: int) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:1", method, path, "1.1", status), None)
+    assert not _not_a_probe(record("GET", "/autoscale/demand", 200))
+    assert not _not_a_probe(record("GET", "/health", 503))
+    assert _not_a_probe(record("POST", "/v1/completions", 200))
+    assert _not_a_probe(record("GET", "/health", 500))

@@ -161,7 +161,7 @@ class Endpoint:
         in_flight: requests the router has sent here that have not finished.
         prefilling: of those, requests that have not had their first token yet.
         prefill_tokens: estimated uncached prompt tokens of the ``prefilling`` requests.
-        failures: consecutive polls that could not reach the worker.
+        failures: consecutive polls that could not reach the worker (after its boot grace).
         next_poll: ``time.monotonic()`` of the next poll (backs off while unreachable).
         reported: the worker's last load report (headers or scrape), if any.
         latency: the online TTFT/ITL models of this endpoint (``sluice.router.predictor``).
@@ -503,11 +503,12 @@ class EndpointSet:
             models = await client.get(f"{endpoint.url}/v1/models", timeout=self.poll_timeout)
             scrape = await client.get(f"{endpoint.url}/metrics", timeout=self.poll_timeout)
         except httpx.HTTPError as exc:
-            endpoint.failures += 1
+            booting = endpoint.booting(time.monotonic())  # not bound yet: no backoff, and
+            if not booting:  # no warning (a worker starting is not a failure)
+                endpoint.failures += 1
             if endpoint.ready or endpoint.failures == 1:
                 logger.warning("worker %s unreachable: %s", endpoint.url, _describe(exc))
             self.eject(endpoint, "unreachable", f"unreachable: {_describe(exc)}")
-            booting = endpoint.booting(time.monotonic())  # not bound yet: no backoff
             backoff = 0 if booting else min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
             endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             return
