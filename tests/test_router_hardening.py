@@ -11,11 +11,11 @@ stalls), and for exact usage numbers.
 
 from __future__ import annotations
 
-import logging
 import ast
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import re
 import signal
