@@ -83,6 +83,10 @@ CASES = [
     ("messages-empty", "/v1/chat/completions", {"messages": []}, "messages"),
     ("messages-missing", "/v1/chat/completions", {"max_tokens": 3}, "messages"),
     ("messages-string", "/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("messages-null-content", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": None}]}, "messages"),
+    ("messages-no-content", "/v1/chat/completions", {"messages": [{"role": "system"}]},
+     "messages"),
     ("messages-bad-role", "/v1/chat/completions",
      {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("messages-image", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
