@@ -260,6 +260,9 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     (["--scale-requests", "0"], "--scale-requests must be ≥ 1, got 0"),
     (["--output", "/nonexistent/sim.json"], "--output /nonexistent/sim.json: its directory "
      "does not exist"),
+    (["--output", "/proc/sim.json"], "--output /proc/sim.json: cannot write it"),
+    (["--output", "/tmp"], "--output /tmp: cannot write it"),
+    (["--policy", "sluice:tick=1e-6"], "knob tick of sluice must be >= 0.1 s, got 1e-06"),
 ])
 def test_cli_refuses_bad_options_at_once_naming_them(tmp_path, capsys, args, message):
     """Each bad option is one line naming it and exit 2, before any replica is simulated

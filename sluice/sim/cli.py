@@ -99,8 +99,18 @@ def check(args: argparse.Namespace) -> None:
     for flag, value, wrong, want in bad:
         if wrong:
             raise ValueError(f"{flag} must be {want}, got {value:g}")
-    if args.output is not None and not Path(args.output).parent.is_dir():
-        raise ValueError(f"--output {args.output}: its directory does not exist")
+    if args.output is not None:
+        if not Path(args.output).parent.is_dir():
+            raise ValueError(f"--output {args.output}: its directory does not exist")
+        existed = Path(args.output).exists()
+        try:  # now, not after a run of minutes: a folder, /proc, a read-only file system
+            with open(args.output, "a"):
+                pass
+            if not existed:
+                Path(args.output).unlink()
+        except OSError as exc:
+            raise ValueError(f"--output {args.output}: cannot write it "
+                             f"({exc.strerror})") from None
     if args.plot is not None and not Path(args.plot).is_dir():
         raise ValueError(f"--plot {args.plot}: no such directory")
 

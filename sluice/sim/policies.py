@@ -125,6 +125,9 @@ class Static:
         return self.replicas
 
 
+MIN_TICK_S = 0.1  # no driver decides faster; a tick of 1e-6 s made a 20-request run crawl
+
+
 class Sluice:
     """The production policy (``recommend``), deciding every ``tick`` seconds (default 2,
     between ``sluice up``'s 0.5 and the operator's 5).
@@ -137,6 +140,8 @@ class Sluice:
 
     def __init__(self, ctx: Context, cap: float = 1.0, zero: float = 0, down: float = 300.0,
                  idle: float = 300.0, margin: float = Config.down_margin, tick: float = 2.0):
+        if tick < MIN_TICK_S:
+            raise ValueError(f"knob tick of sluice must be >= {MIN_TICK_S:g} s, got {tick:g}")
         self.interval_s = tick
         self.config = Config(min_replicas=0 if zero else 1, max_replicas=ctx.max_replicas,
                              scale_to_zero=bool(zero), idle_s=idle, scale_down_window_s=down,
