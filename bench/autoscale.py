@@ -575,6 +575,11 @@ def main() -> int:
     parser.add_argument("--profile-arrivals", choices=("trace", "poisson"), default="trace",
                         help="the profile's arrivals: the cut's own, time-scaled to each "
                         "step's rate (default), or Poisson")
+    parser.add_argument("--boot-seconds", type=float, default=SCALING["bootSeconds"],
+                        help="the autoscaler's bootSeconds (default %(default)s)")
+    parser.add_argument("--scale-down-seconds", type=float,
+                        default=SCALING["scaleDownStabilizationSeconds"],
+                        help="the autoscaler's scaleDownStabilizationSeconds (default %(default)s)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the configurations this many times, in alternating order")
@@ -584,7 +589,8 @@ def main() -> int:
                         help="a ~2-minute smoke run: a 20 s cut, a one-rate profile, short windows")
     parser.add_argument("--out", default="bench/results/autoscale.json")
     args = parser.parse_args()
-    scaling = dict(SCALING)
+    scaling = {"bootSeconds": args.boot_seconds,
+               "scaleDownStabilizationSeconds": args.scale_down_seconds}
     if args.tiny:
         for key, value in TINY.items():
             if key != "scaling":

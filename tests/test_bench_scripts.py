@@ -184,3 +184,12 @@ def test_paged_decode_bench(tmp_path):
     assert [row["batch"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert row["native"]["attention"] > 0 and row["sdpa"]["step"] > 0 and row["step_speedup"] > 0
+
+
+@pytest.mark.slow
+def test_boot_bench(tmp_path):
+    result = run_bench("boot.py", "--rounds", "1", "--no-load", out=tmp_path / "boot.json")
+    (name,) = result["conditions"]
+    row = result["conditions"][name]
+    assert name == "quiet" and len(row["fresh"]["boots_s"]) == len(row["forked"]["boots_s"]) == 1
+    assert row["speedup"] == row["fresh"]["median_s"] / row["forked"]["median_s"]

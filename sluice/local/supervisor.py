@@ -46,6 +46,7 @@ from sluice.autoscale.policy import Config
 from sluice.cascade.tiers import resolve_cascades
 from sluice.local.autoscaler import LocalAutoscaler
 from sluice.local.processes import Child, StartupError, Supervisor
+from sluice.local.zygote import Zygote
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(state_dir, ignore_errors=True)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe otherwise
-    supervisor = Supervisor([*up.workers, up.router], grace_period=args.grace_period)
+    native = any(pool.service.spec.engine.name == "native" for pool in up.pools)
+    supervisor = Supervisor([*up.workers, up.router], grace_period=args.grace_period,
+                            zygote=Zygote() if native else None)
     on_tick = _autoscaler(up, supervisor, args) if up.policy is not None else lambda: None
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -65,9 +65,10 @@ class LLMEngine:
                              f"({bytes_per_block} bytes per block of {config.block_size} tokens)")
         for runner in (self.runner, draft) if draft else (self.runner,):
             runner.allocate_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s", num_blocks,
-                    config.block_size, num_blocks * config.block_size,
-                    num_blocks * bytes_per_block / 2**20, " (target + draft)" if draft else "")
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s; %s, %d thread(s)",
+                    num_blocks, config.block_size, num_blocks * config.block_size,
+                    num_blocks * bytes_per_block / 2**20, " (target + draft)" if draft else "",
+                    config.device, torch.get_num_threads())
         self.scheduler = Scheduler(config, num_blocks, self.runner.attention_break_even)
         self.proposer = (
             NgramProposer(config.num_speculative_tokens) if config.speculative_method == "ngram"
