@@ -16,13 +16,14 @@ off), replayed open loop by `sluice bench`'s runner with its own arrival times: 
 ``[--start, --start + --span)`` trace seconds, each kept with probability ``--keep``
 (seeded), times multiplied by ``--time-scale``; input lengths × ``--input-scale``, capped
 at ``--max-input``; outputs capped at ``--max-output`` and forced with ignore_eos. So the
-burst shape is the trace's and the rate is what two 1-thread SmolLM2 workers serve. The
-default cut (trace seconds 2100-2700, 4 % of rows, five times as fast: 72 requests in
-120 s, 5 of 12 ten-second bins idle, bursts to 2.1 req/s) is one that static-2 meets
-(100 % measured) and static-1 does not (79 %), on this machine as it was on 2026-12-03:
-the same stretch twice as fast (x0.5), chosen earlier with ``sluice simulate`` when
-static-1 met 83 % of it, was held by one worker that day (100 %, TTFT p95 1.2 s), and
-compared nothing. Check static-1 and static-2 first on a machine of another speed.
+burst shape is the trace's and the rate is what two 1-thread SmolLM2 workers serve: with
+``--time-scale`` unset (the default), once the profile has measured one worker's capacity
+the cut is replayed at the fastest time scale whose peak 10 s rate is at most
+``--peak-load`` (1.5) × that capacity, so bursts need both workers on a machine of any
+speed. (The default cut is trace seconds 2100-2700, 4 % of rows: 72 requests, on and off.
+At a fixed x0.2 it compared the configurations one day, static 1 79 %, static 2 100 %,
+profiled capacity 1.6 req/s; at x0.5 one worker held it another day; at x0.2 both workers
+missed on a slower day, capacity 0.62 req/s, static 2 93 %.)
 
 Per configuration, over the window from the first arrival to the later of the cut's end and
 the last completion:
@@ -64,7 +65,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -149,6 +150,42 @@ def describe_cut(rows: Sequence[workload.TraceRow], cut: Cut) -> dict:
 
 
 # -------------------------------------------------------------------------- manifests
+
+def fit_time_scale(trace: Sequence[workload.TraceRow], cut: Cut, peak_rps: float) -> Cut:
+    """``cut`` at the fastest time scale (on a grid of 5 % steps, 0.05-5) whose peak 10 s
+    arrival rate is at most ``peak_rps``: the trace's burst shape at the load that one
+    machine's measured capacity calls for."""
+    scale = 0.05
+    while scale < 5.0:
+        fitted = replace(cut, time_scale=round(scale, 4))
+        if describe_cut(cut_trace(trace, fitted), fitted)["peak_rps_10s"] <= peak_rps:
+            return fitted
+        scale *= 1.05
+    return replace(cut, time_scale=5.0)
+
+
+class Load:
+    """The cut being replayed and its requests; refitted to the capacity once it is known
+    (``--time-scale`` unset)."""
+
+    def __init__(self, trace: Sequence[workload.TraceRow], cut: Cut, tok: workload.Tokenizer,
+                 seed: int):
+        self.trace, self.tok, self.seed = trace, tok, seed
+        self.set(cut)
+
+    def set(self, cut: Cut) -> None:
+        self.cut = cut
+        self.rows = cut_trace(self.trace, cut)
+        self.info = describe_cut(self.rows, cut)
+        self.specs = list(workload.from_trace(self.rows, workload.PromptBuilder(self.tok),
+                                              seed=self.seed))
+        info = self.info
+        print(f"cut: x{cut.time_scale:g}, {info['requests']} requests over {cut.replay_s:.0f} s, "
+              f"mean {info['mean_rps']:.2f} req/s, peak {info['peak_rps_10s']:.1f} req/s "
+              f"(10 s bins), {info['idle_10s_bins']} idle bins; mean lengths "
+              f"{info['mean_input_tokens']:.0f} in / {info['mean_output_tokens']:.0f} out",
+              flush=True)
+
 
 def build_manifest(base: dict, config: str, slo: dict, capacity_rps: float,
                    scaling: dict) -> dict:
@@ -326,10 +363,10 @@ def replay(url: str, model: str, specs: list[workload.RequestSpec], tok: workloa
     return result.records, t0, t0 + max(replay_s, last)
 
 
-def run_config(config: str, manifest: dict, specs, tok, model: str, cut: Cut, args,
-               workdir: Path, profile_cb=None) -> dict:
-    """One configuration end to end: up, (profile,) replay, stop; raw material for the
-    summary."""
+def run_config(config: str, manifest: dict, load: Load, model: str, args, workdir: Path,
+               profile_cb=None) -> dict:
+    """One configuration end to end: up, (profile, which may refit ``load``,) replay, stop;
+    raw material for the summary."""
     clock = time.monotonic()
     timings = {}
 
@@ -349,11 +386,11 @@ def run_config(config: str, manifest: dict, specs, tok, model: str, cut: Cut, ar
         if profile_cb is not None:
             profiled = profile_cb(workers[0])
             lap("profile_s")
-        warm_up(workers, model, tok)
+        warm_up(workers, model, load.tok)
         poller = HealthPoller(url)
         poller.start()
         try:
-            records, t0, t1 = replay(url, model, specs, tok, cut.replay_s)
+            records, t0, t1 = replay(url, model, load.specs, load.tok, load.cut.replay_s)
         finally:
             poller.stop.set()
             poller.join(5)
@@ -539,11 +576,18 @@ def _panel(ax, name: str, r: dict, slo: dict) -> None:
 # -------------------------------------------------------------------------------- main
 
 # The autoscaler's windows here (over the example manifest's, which suit a loaded machine):
-# bootSeconds as measured on this machine (a 1-thread SmolLM2 worker: 4-5 s from start to
-# /health, routed within 0.2 s of it) and a scale-down window of two boots. An idle
-# replica kept that long costs what taking it away wrongly costs: a boot of
-# replica-seconds, plus a boot of the smaller fleet's SLO misses (ski rental's break-even).
-SCALING = {"bootSeconds": 6, "scaleDownStabilizationSeconds": 12}
+# bootSeconds as measured on this machine (a 1-thread SmolLM2 worker forked by sluice up's
+# zygote: 1.4-1.5 s from start to /health, quiet or under load, bench/boot.py; routed
+# within 0.2 s of it) and a 12 s scale-down window. An idle replica kept that long costs
+# what taking it away wrongly costs: a boot of replica-seconds plus the SLO misses of a
+# burst's first seconds on the smaller fleet (ski rental's break-even); a 4 s window (two
+# boots) gave a worker back 3 s before the next burst of the code cut on 2026-12-03.
+SCALING = {"bootSeconds": 2, "scaleDownStabilizationSeconds": 12}
+# With --time-scale unset, the cut's peak 10 s rate is fitted to this x one worker's
+# profiled capacity: its bursts need both workers and a gap between them needs one. A
+# fixed scale compared nothing on a faster day (x0.5: one worker held it) and overloaded
+# both workers on a slower one (x0.2 at 0.62 req/s: static-2 met 93 %).
+PEAK_LOAD = 1.5
 TINY = {"start": 560.0, "span": 40.0, "keep": 0.025, "time_scale": 0.5, "max_input": 128,
         "max_output": 8,
         "profile_rates": "1", "profile_duration": 2.0, "profile_min_requests": 3,
@@ -557,8 +601,13 @@ def main() -> int:
     parser.add_argument("--start", type=float, default=2100.0, help="trace seconds")
     parser.add_argument("--span", type=float, default=600.0, help="trace seconds")
     parser.add_argument("--keep", type=float, default=0.04, help="fraction of rows kept")
-    parser.add_argument("--time-scale", type=float, default=0.2,
-                        help="replay time = trace time x this")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="replay time = trace time x this (default: fitted to the "
+                        "capacity, see --peak-load)")
+    parser.add_argument("--peak-load", type=float, default=PEAK_LOAD,
+                        help="with --time-scale unset: replay the cut at the fastest time "
+                        "scale whose peak 10 s rate is at most this x one worker's capacity "
+                        "(default %(default)s)")
     parser.add_argument("--input-scale", type=float, default=1 / 16)
     parser.add_argument("--max-input", type=int, default=256)
     parser.add_argument("--max-output", type=int, default=32)
@@ -599,22 +648,23 @@ def main() -> int:
 
     base = yaml.safe_load(EXAMPLE.read_text())
     slo = {**base["spec"]["slo"], "ttftMs": args.slo_ttft_ms, "itlMs": args.slo_itl_ms}
-    cut = Cut(args.trace, args.start, args.span, args.keep, args.time_scale, args.input_scale,
-              args.max_input, args.max_output, args.seed)
-    rows = cut_trace(workload.read_trace(args.trace), cut)
-    if not rows:
+    cut = Cut(args.trace, args.start, args.span, args.keep, args.time_scale or 1.0,
+              args.input_scale, args.max_input, args.max_output, args.seed)
+    trace = workload.read_trace(args.trace)
+    if not cut_trace(trace, cut):
         print(f"bench/autoscale.py: no trace rows in the cut {cut}", file=sys.stderr)
         return 2
-    cut_info = describe_cut(rows, cut)
-    print(f"cut: {cut_info['requests']} requests over {cut.replay_s:.0f} s, mean "
-          f"{cut_info['mean_rps']:.2f} req/s, peak {cut_info['peak_rps_10s']:.1f} req/s "
-          f"(10 s bins), {cut_info['idle_10s_bins']} idle bins; mean lengths "
-          f"{cut_info['mean_input_tokens']:.0f} in / {cut_info['mean_output_tokens']:.0f} out")
     model_path = store.fetch(args.model)
-    tok = workload.Tokenizer(model_path / "tokenizer.json")
-    specs = list(workload.from_trace(rows, workload.PromptBuilder(tok), seed=args.seed))
+    load = Load(trace, cut, workload.Tokenizer(model_path / "tokenizer.json"), args.seed)
+
+    def fit(capacity_rps: float) -> None:  # --time-scale unset: the load fits the capacity
+        if args.time_scale is None:
+            print(f"time scale: peak <= {args.peak_load:g} x {capacity_rps:g} req/s", flush=True)
+            load.set(fit_time_scale(trace, cut, args.peak_load * capacity_rps))
 
     capacity = {"source": "--capacity-rps", "capacity_rps": args.capacity_rps}
+    if args.capacity_rps is not None:
+        fit(args.capacity_rps)
     rounds: dict[str, list[dict]] = {c: [] for c in args.configs}
     with tempfile.TemporaryDirectory(prefix="bench-autoscale-") as tmp:
         workdir = Path(tmp)
@@ -630,12 +680,14 @@ def main() -> int:
                         return 2
 
                     def profile_cb(worker_url: str) -> dict:
-                        return profile_capacity(worker_url, args.model, rows, slo, args,
-                                                workdir)
+                        profiled = profile_capacity(worker_url, args.model, load.rows, slo,
+                                                    args, workdir)
+                        fit(_capacity_from(profiled)["capacity_rps"])
+                        return profiled
                 manifest = build_manifest(base, config, slo, capacity["capacity_rps"] or 1.0,
                                           scaling)
                 print(f"\n== {config}, round {r + 1} of {args.rounds} ==", flush=True)
-                raw = run_config(config, manifest, specs, tok, args.model, cut, args, workdir,
+                raw = run_config(config, manifest, load, args.model, args, workdir,
                                  profile_cb)
                 if args.logs:
                     Path(args.logs).mkdir(parents=True, exist_ok=True)
@@ -654,13 +706,15 @@ def main() -> int:
                       flush=True)
     runs = {config: aggregate(rs) for config, rs in rounds.items()}
 
-    title = (f"bench/autoscale.py: {cut_info['requests']} requests from "
+    title = (f"bench/autoscale.py: {load.info['requests']} requests from "
              f"{Path(args.trace).name} [{args.start:g}, {args.start + args.span:g}) s, SLO p"
              f"{slo['percentile']:g} TTFT <= {slo['ttftMs']:g} ms, ITL <= {slo['itlMs']:g} ms"
              + (f", mean of {args.rounds} rounds" if args.rounds > 1 else ""))
     print()
     print_table(runs, title)
-    result = {"model": args.model, "cut": {**vars(cut), **cut_info}, "slo": slo,
+    result = {"model": args.model, "cut": {**vars(load.cut), **load.info,
+                                            "peak_load": args.peak_load
+                                            if args.time_scale is None else None}, "slo": slo,
               "capacity": capacity, "manifest_autoscaling": build_manifest(
                   base, "autoscale", slo, capacity["capacity_rps"] or 1.0, scaling)["spec"][
                   "autoscaling"], "tiny": args.tiny, "rounds": args.rounds,

@@ -4,7 +4,7 @@ The real benchmark replays one cut against real workers (~20 minutes for three
 configurations); this replays several cuts of the same kind (``bench/autoscale.py``'s
 ``Cut``: a stretch of an Azure 2023 trace, thinned, time-scaled, lengths scaled and capped)
 through ``sluice simulate`` with the same fleet: max 2 replicas, the benchmark's boot
-(6 s: a 1-thread SmolLM2 worker's measured start to routed), the benchmark's SLO, the
+(2 s: a 1-thread SmolLM2 worker forked by sluice up, start to routed), the benchmark's SLO, the
 measured SmolLM2 step profile, and one replica's capacity calibrated by the simulator for
 each cut's lengths. Per cut it runs the clairvoyant oracle (the best any policy could do),
 static 1 and 2 replicas, and Sluice's policy (``recommend`` every 0.5 s as ``sluice up``

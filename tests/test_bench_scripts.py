@@ -108,6 +108,24 @@ def test_autoscale_bench_tiny(tmp_path):
     assert (tmp_path / "autoscale.png").stat().st_size > 10_000
 
 
+def test_autoscale_bench_fits_the_cut_to_the_capacity():
+    """With --time-scale unset, the cut plays at the fastest scale whose peak 10 s rate is
+    within peak-load x capacity: 20 requests in 10 trace seconds at 1 req/s need 20 s."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import autoscale  # noqa: PLC0415  (bench/autoscale.py)
+    from sluice.bench.workload import TraceRow
+
+    trace = [TraceRow(i * 0.5, 100, 10) for i in range(20)] + [TraceRow(150.0 + i, 100, 10)
+                                                                for i in range(3)]
+    cut = autoscale.Cut("t.csv", 0.0, 200.0, 1.0, 1.0, 1.0, 256, 32, 0)
+    fitted = autoscale.fit_time_scale(trace, cut, 1.0)
+    peak = autoscale.describe_cut(autoscale.cut_trace(trace, fitted), fitted)["peak_rps_10s"]
+    faster = autoscale.replace(cut, time_scale=fitted.time_scale / 1.05)
+    assert peak <= 1.0 < autoscale.describe_cut(autoscale.cut_trace(trace, faster),
+                                                faster)["peak_rps_10s"]
+    assert 1.5 < fitted.time_scale < 2.5 and fitted.span_s == cut.span_s
+
+
 def test_autoscale_sim_bench_one_cut(tmp_path):
     """The simulator's sweep of bench/autoscale.py cuts: static-2 is the yardstick (ratio 1),
     static-1 costs half, the oracle does no worse than static-1."""
