@@ -105,3 +105,41 @@ def test_a_forked_command_that_fails_reports_its_exit_code_and_error(zygote, tmp
     assert proc.wait(60) == 1
     assert proc.returncode == 1
     assert f"sluice worker: {tmp_path / 'missing'}" in out.text()
+
+
+@slow
+def test_a_fork_server_that_dies_leaves_its_children_tracked_and_is_replaced(zygote, model_path,
+                                                                              tmp_path):
+    """Killing the fork server (a fault sluice up cannot prevent) must not make its running
+    children look dead (multiprocessing then reports 255 for each): they are tracked by pid
+    and start time. The fork server shrugs off SIGTERM (a group signal is the supervisor's),
+    and the next spawn starts a new one."""
+    port = free_port()
+    proc = zygote.spawn([*CLI, "worker", "--model", str(model_path), "--port", str(port)],
+                        {**os.environ, "OMP_NUM_THREADS": "1"})
+    out = Output(proc)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        server = psutil.Process(psutil.Process(proc.pid).ppid())
+        assert "forkserver" in " ".join(server.cmdline())
+        os.kill(server.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+        server.kill()  # not reaped here: multiprocessing reaps it when it starts a new one
+        deadline = time.monotonic() + 10
+        while server.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert proc.poll() is None and proc.returncode is None  # it serves on
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 255  # gone; its status died with the fork server
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out.text()
+    again = zygote.spawn([*CLI, "worker", "--model", str(tmp_path / "missing")],
+                         dict(os.environ))
+    Output(again)
+    assert again.wait(60) == 1

@@ -114,7 +114,7 @@ class Supervisor:
         if self.zygote is not None and forkable(child.argv):
             try:
                 child.proc = self.zygote.spawn(child.argv, env, self._lifeline)
-            except OSError as exc:  # the fork server is unreachable: start it the usual way
+            except (OSError, EOFError) as exc:  # no fork server: start it the usual way
                 logger.warning("could not fork %s (%s); starting a fresh process", child.name,
                                exc)
         if child.proc is None:

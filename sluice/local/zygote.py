@@ -24,10 +24,14 @@ import logging
 import multiprocessing
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
+import time
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import IO
 
 import setproctitle
@@ -53,14 +57,17 @@ class Zygote:
     """Forks ``sluice.cli`` commands from a fork server that preloaded ``PRELOAD``.
 
     The fork server starts here and imports in the background; the first ``spawn`` waits
-    for those imports (as long as a fresh process would take). ``multiprocessing`` restarts
-    a fork server that died.
+    for those imports (as long as a fresh process would take). It runs in the caller's
+    process group, so it starts with SIGINT and SIGTERM ignored (a terminal's Ctrl-C and a
+    group SIGTERM are the supervisor's to handle; ``multiprocessing`` ignores SIGINT there
+    only after the imports); each child restores them. One that died anyway is started
+    again by the next ``spawn``; its children run on, tracked by pid.
     """
 
     def __init__(self) -> None:
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(PRELOAD)
-        forkserver.ensure_running()
+        _ensure_running()
 
     def spawn(self, argv: list[str], env: dict[str, str],
               lifeline: int | None = None) -> ForkedProcess:
@@ -73,7 +80,8 @@ class Zygote:
 
         Raises:
             ValueError: ``argv`` is not forkable.
-            OSError: the fork server could not be started or reached.
+            OSError, EOFError: the fork server could not be started or reached, or died
+                while answering.
         """
         if not forkable(argv):
             raise ValueError(f"not a sluice.cli command of this interpreter: {argv[:3]}")
@@ -82,37 +90,75 @@ class Zygote:
         process = self._context.Process(target=_child, args=(argv[3:], env, writer, line),
                                         name="sluice-worker", daemon=True)
         try:
+            _ensure_running()
             process.start()
+            stdout = os.fdopen(os.dup(reader.fileno()), "rb")
         finally:
-            writer.close()
-            if line is not None:
-                line.close()
-        stdout = os.fdopen(os.dup(reader.fileno()), "rb")
-        reader.close()
+            for end in (reader, writer, line):
+                if end is not None:
+                    end.close()
         return ForkedProcess(process, stdout)
 
 
+def _ensure_running() -> None:
+    """Start the fork server if it is not running, with SIGINT and SIGTERM ignored (the
+    disposition survives its exec). Signal dispositions change only in the main thread;
+    elsewhere the fork server starts with ours."""
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT,
+                                                                    signal.SIGTERM)}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class ForkedProcess:
-    """A forked ``sluice.cli`` command, seen through ``subprocess.Popen``'s surface."""
+    """A forked ``sluice.cli`` command, seen through ``subprocess.Popen``'s surface.
+
+    Its exit status comes from the fork server (its parent, which reaps it), but whether it
+    runs is read from ``/proc`` (pid and start time): a fork server that died reports 255
+    for children that run on. Once such a child is gone its status is unknown: 255.
+    """
 
     def __init__(self, process: multiprocessing.process.BaseProcess, stdout: IO[bytes]):
         self._process = process
         self.pid: int = process.pid
         self.stdout = stdout
+        self._started = _start_time(self.pid)
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
+        if self._started is not None and _start_time(self.pid) == self._started:
+            return None
         return self._process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:
         """Raises ``subprocess.TimeoutExpired`` if it is still running after ``timeout`` s."""
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-        return self._process.exitcode
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.02)
+        return code
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (field 22 of ``/proc/PID/stat``) while it runs;
+    None once it is gone or a zombie, or without ``/proc`` (then the fork server's report
+    alone tells)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after the command name, from field 3
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def _child(argv: list[str], env: dict[str, str], output: Connection,
@@ -120,6 +166,8 @@ def _child(argv: list[str], env: dict[str, str], output: Connection,
     """The forked process: a session of its own, output to the supervisor's pipe, the
     worker's environment, lifeline and thread count, then ``sluice.cli.main``."""
     os.setsid()  # its own process group: signalled as one, deaf to the terminal's Ctrl-C
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the fork server ignores them
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.dup2(output.fileno(), 1)
