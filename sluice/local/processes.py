@@ -3,7 +3,8 @@
 Each child runs in its own process group, its output forwarded to this process's stdout
 prefixed by its name. ``sluice.cli`` children of this interpreter (native workers, the
 router) are forked from a zygote that has torch and Sluice imported (``sluice.local.zygote``:
-a worker boots in ~1.5 s instead of ~5 s here); others start as fresh processes. ``Supervisor.wait_healthy`` waits (with a deadline) until all are
+a worker boots in ~1.5 s instead of ~5 s here); others start as fresh processes.
+``Supervisor.wait_healthy`` waits (with a deadline) until all are
 healthy; ``supervise`` restarts a child that dies, with backoff; ``stop_all`` sends SIGTERM,
 then SIGKILL after a grace period, to each child's whole group. A child stops itself when
 this process is gone without stopping it (SIGKILL: ``sluice.local.parent``).
@@ -79,8 +80,8 @@ class Supervisor:
         children: the processes, router last.
         grace_period: seconds between SIGTERM and SIGKILL in ``stop_all``.
         zygote: forks the children it can (``sluice.local.zygote.forkable``: native
-            workers), which then boot without importing torch; None starts every child as
-            a fresh process.
+            workers and the router), which then boot without importing torch; None starts
+            every child as a fresh process.
     """
 
     def __init__(self, children: list[Child], grace_period: float = 10.0,

@@ -20,7 +20,6 @@ supervisor's lifeline all the same, and stops itself when the supervisor is gone
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import shlex
@@ -38,8 +37,6 @@ import setproctitle
 
 from sluice.cli import COMMANDS
 from sluice.local.parent import LIFELINE_ENV
-
-logger = logging.getLogger(__name__)
 
 # Imported by the fork server once; what a worker would import first thing.
 PRELOAD = ["torch", "torch.utils.cpp_extension", "sluice.worker.engine.async_engine",
