@@ -31,6 +31,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(url: str, proc, timeout: float) -> str | None:
+    """Poll ``url``/health until 200; None then, else what went wrong: ``proc`` (anything
+    with ``poll()`` and ``returncode``) exited, or ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        if time.monotonic() > deadline:
+            return f"not healthy after {timeout:.0f} s"
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+
+
 @contextmanager
 def serve(args: list[str], port: int, timeout: float = 120.0, log: Path | None = None,
           python: str = sys.executable):
@@ -44,22 +61,10 @@ def serve(args: list[str], port: int, timeout: float = 120.0, log: Path | None =
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            problem = None
-            if proc.poll() is not None:
-                problem = f"exited with {proc.returncode}"
-            elif time.monotonic() > deadline:
-                problem = f"not healthy after {timeout:.0f} s"
-            if problem:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:]) if log else ""
-                raise RuntimeError(f"sluice {' '.join(args)} {problem}\n{tail}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        problem = wait_healthy(url, proc, timeout)
+        if problem:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:]) if log else ""
+            raise RuntimeError(f"sluice {' '.join(args)} {problem}\n{tail}")
         yield url
     finally:
         if proc.poll() is None:

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_healthy
 from sluice.local.zygote import Zygote, forkable
 
 slow = pytest.mark.slow  # forks model-loading workers
@@ -55,19 +55,6 @@ class Output:
         return "".join(self.lines)
 
 
-def wait_healthy(url: str, proc, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy after {timeout:.0f} s")
-
-
 @slow
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_forked_worker_serves_in_its_own_session_with_its_threads(zygote, model_path,
@@ -79,7 +66,7 @@ def test_a_forked_worker_serves_in_its_own_session_with_its_threads(zygote, mode
     proc = zygote.spawn(argv, env)
     out = Output(proc)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        assert wait_healthy(f"http://127.0.0.1:{port}", proc, 120.0) is None
         assert os.getsid(proc.pid) == proc.pid  # a session (and process group) of its own
         assert " ".join(psutil.Process(proc.pid).cmdline()).split() == argv  # what ps shows
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
@@ -119,7 +106,7 @@ def test_a_fork_server_that_dies_leaves_its_children_tracked_and_is_replaced(zyg
                         {**os.environ, "OMP_NUM_THREADS": "1"})
     out = Output(proc)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        assert wait_healthy(f"http://127.0.0.1:{port}", proc, 120.0) is None
         server = psutil.Process(psutil.Process(proc.pid).ppid())
         assert "forkserver" in " ".join(server.cmdline())
         os.kill(server.pid, signal.SIGTERM)
