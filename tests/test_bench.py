@@ -333,6 +333,25 @@ def test_bad_arguments_exit_2(model_path):
                          str(model_path), "--num-requests", n]) == 2
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--duration", "-1"], "--duration must be > 0, got -1"),
+    (["--time-scale", "-1"], "--time-scale must be > 0, got -1"),
+    (["--time-scale", "nan"], "--time-scale must be > 0, got nan"),
+    (["--warmup", "-2"], "--warmup must be >= 0, got -2"),
+    (["--request-timeout", "0"], "--request-timeout must be > 0, got 0"),
+    (["--slo-ttft-ms", "-5"], "--slo-ttft-ms must be > 0, got -5"),
+    (["--slo-itl-percentile", "150"], "--slo-itl-percentile must be in (0, 100], got 150"),
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--max-output-tokens", "0"], "--max-output-tokens must be >= 1, got 0"),
+])
+def test_out_of_range_numbers_exit_2_naming_the_flag(model_path, capsys, args, message):
+    """Found by a fresh user: a negative --duration or --time-scale was accepted (the run
+    went on to the last request; a trace played backwards)."""
+    assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--model", "m", "--tokenizer",
+                     str(model_path), *args]) == 2
+    assert capsys.readouterr().err == f"sluice bench: {message}\n"
+
+
 # --------------------------------------------------------------------------- real worker
 
 

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 
 from rich.console import Console
@@ -123,6 +124,30 @@ def _workload(args, tok: workload.Tokenizer):
     return specs, arrivals, args.rate is not None, n
 
 
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Each numeric flag within its range (a negative --duration once ran to the end of
+    the requests, a negative --time-scale replayed a trace backwards); raises ValueError
+    naming the first one that is not."""
+    checks = [("--duration", args.duration, "> 0", lambda v: v > 0),
+              ("--time-scale", args.time_scale, "> 0", lambda v: v > 0),
+              ("--burstiness", args.burstiness, "> 0", lambda v: v > 0),
+              ("--warmup", args.warmup, ">= 0", lambda v: v >= 0),
+              ("--connect-timeout", args.connect_timeout, "> 0", lambda v: v > 0),
+              ("--read-timeout", args.read_timeout, "> 0", lambda v: v > 0),
+              ("--request-timeout", args.request_timeout, "> 0", lambda v: v > 0),
+              ("--slo-ttft-ms", args.slo_ttft_ms, "> 0", lambda v: v > 0),
+              ("--slo-itl-ms", args.slo_itl_ms, "> 0", lambda v: v > 0),
+              ("--slo-itl-percentile", args.slo_itl_percentile, "in (0, 100]",
+               lambda v: 0 < v <= 100),
+              ("--cost-per-hour", args.cost_per_hour, ">= 0", lambda v: v >= 0),
+              ("--replicas", args.replicas, ">= 1", lambda v: v >= 1),
+              ("--max-input-tokens", args.max_input_tokens, ">= 1", lambda v: v >= 1),
+              ("--max-output-tokens", args.max_output_tokens, ">= 1", lambda v: v >= 1)]
+    for flag, value, wanted, ok in checks:
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"{flag} must be {wanted}, got {value:g}")
+
+
 def _cycle(items):
     while True:
         yield from items
@@ -141,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--concurrency and --rate must be positive")
         if args.num_requests is not None and args.num_requests < 1:
             raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
+        _check_ranges(args)
         extra = json.loads(args.extra_body) if args.extra_body else None
         if extra is not None and not isinstance(extra, dict):
             raise ValueError("--extra-body must be a JSON object")

@@ -289,8 +289,8 @@ def parse(spec: str) -> tuple[str, dict[str, float]]:
     """``"kpa:target=10,util=0.7"`` → ("kpa", {"target": 10.0, "util": 0.7}).
 
     Raises:
-        ValueError: an unknown policy, a malformed knob, or a knob out of range (negative,
-            zero where it divides, a fractional replica count).
+        ValueError: an unknown policy, a malformed knob, a knob given twice, or a knob out
+            of range (negative, zero where it divides, a fractional replica count).
     """
     name, _, rest = spec.partition(":")
     if name not in POLICIES and name not in ("dynamo-reactive", "oracle"):
@@ -310,6 +310,8 @@ def parse(spec: str) -> tuple[str, dict[str, float]]:
                              f"{'> 0' if key in POSITIVE else '≥ 0'}, got {value}")
         if key in WHOLE and number != int(number):
             raise ValueError(f"knob {key} of {spec!r} is a count, got {value}")
+        if key in knobs:
+            raise ValueError(f"knob {key} of {spec!r} is given twice")
         knobs[key] = number
     return name, knobs
 
