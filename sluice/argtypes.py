@@ -24,3 +24,14 @@ def http_url(text: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"not an http(s) URL with a host: {text!r}")
     return text.strip().rstrip("/")
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds: a finite number ≥ 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be finite and >= 0, got {text}")
+    return value

@@ -93,6 +93,22 @@ def test_discovered_joins_inferenceservices_with_their_worker_endpoints():
 
 # ------------------------------------------------------------------ the endpoint set's listing
 
+def test_a_model_at_zero_replicas_keeps_its_last_v1_models_entry():
+    """Found by a fresh user: at zero replicas ``/v1/models`` listed the model with a
+    minimal entry, without the ``max_model_len`` clients size their prompts by. It keeps
+    the last entry a worker gave; a model no worker ever served gets the minimal one."""
+    endpoints = EndpointSet()
+    endpoints.sync(["http://a:8000"], [MODEL, "never"])
+    a = next(iter(endpoints))
+    entry = {"id": MODEL, "object": "model", "created": 7, "owned_by": "sluice",
+             "max_model_len": 8192}
+    a.ready, a.models = True, {MODEL: entry}
+    never = {"id": "never", "object": "model", "created": 0, "owned_by": "sluice"}
+    assert endpoints.model_entries() == [never, entry]  # sorted by id
+    endpoints.sync([], [MODEL, "never"])  # scaled to zero
+    assert endpoints.model_entries() == [never, entry]
+
+
 def test_sync_lists_unlists_and_forgets_after_the_last_request():
     endpoints = EndpointSet()
     assert not endpoints.any_models_known() and not endpoints.serves(MODEL)

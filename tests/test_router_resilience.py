@@ -264,6 +264,69 @@ def test_a_booting_worker_is_routed_within_a_fast_poll_of_its_readiness():
                 assert complete(router, "hi").status_code == 200
 
 
+def test_scale_ups_teach_the_expected_boot_and_the_startup_fleet_does_not(tmp_path):
+    """``EndpointSet.boot_s`` (what the gate's late binding expects of a booting worker)
+    follows scale-ups' listed-to-ready times: a worker listed at the first poll (it booted
+    with the router, or was up) teaches nothing; one added later that answers /health 503
+    for 0.8 s after it is listed teaches about that."""
+    from sluice.router.endpoints import EndpointSet
+
+    workers_file = tmp_path / "workers.json"
+
+    def publish(urls: list[str]) -> None:
+        tmp = tmp_path / "workers.tmp"
+        tmp.write_text(json.dumps({"workers": urls, "models": [MODEL]}))
+        os.replace(tmp, workers_file)
+
+    async def scenario(first: FakeWorker, added: FakeWorker) -> tuple:
+        publish([first.url])
+        endpoints = EndpointSet(poll_interval=5.0, workers_file=str(workers_file))
+        async with httpx.AsyncClient() as client:
+            poller = asyncio.create_task(endpoints.poll_forever(client))
+            try:
+                while not endpoints.ready_for(MODEL):
+                    await asyncio.sleep(0.05)
+                before = endpoints.boot_s
+                added.health = 503
+                publish([first.url, added.url])
+                listed = time.monotonic()
+                await asyncio.sleep(0.4)
+                booting = endpoints.ready_in_s(MODEL, time.monotonic())
+                await asyncio.sleep(0.4)
+                added.health = 200
+                while len(endpoints.ready_for(MODEL)) < 2:
+                    await asyncio.sleep(0.05)
+                return before, booting, endpoints.boot_s, time.monotonic() - listed
+            finally:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
+
+    with fakes(2) as (first, added):
+        before, booting, learnt, took = asyncio.run(scenario(first, added))
+    assert before is None and booting is None  # nothing to expect before a scale-up
+    # listed when the router re-read the file (within a 0.2 s boot poll of the write),
+    # ready 0.8 s after the write: so 0.6-0.8 s, never more than the client saw
+    assert 0.8 - 0.25 <= learnt <= took and took < 1.3, (learnt, took)
+
+
+def test_ready_in_s_counts_down_the_soonest_boot_of_the_model():
+    from sluice.router.endpoints import BOOT_LATE_FACTOR, EndpointSet
+
+    endpoints = EndpointSet(["http://a", "http://b"], boot_s=2.0)
+    now = time.monotonic()
+    a, b = endpoints
+    a.listed_at, b.listed_at = now - 0.5, now - 1.5
+    assert endpoints.ready_in_s(MODEL, now) == pytest.approx(0.5)  # b's boot, the soonest
+    b.models, b.models_known = {"other": {}}, True  # b turns out to serve another model
+    assert endpoints.ready_in_s(MODEL, now) == pytest.approx(1.5)
+    a.listed_at = now - 2.5
+    assert endpoints.ready_in_s(MODEL, now) == 0.0  # late: any moment now
+    a.listed_at = now - BOOT_LATE_FACTOR * 2.0 - 0.1
+    assert endpoints.ready_in_s(MODEL, now) is None  # too late to wait for
+    a.listed_at, a.ready = now - 0.5, True
+    assert endpoints.ready_in_s(MODEL, now) is None  # ready: a candidate, not a boot
+
+
 # ------------------------------------------------------------------ slow: real workers
 
 def start_worker(model_path, port: int, log) -> subprocess.Popen:

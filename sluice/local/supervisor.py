@@ -229,7 +229,8 @@ def plan(services: list[InferenceService], args: argparse.Namespace, workers_fil
     router_args = router_arguments(serving[0])
     if policy is not None:
         router_args += ["--discovery", "file", "--workers-file", str(workers_file),
-                        "--hold-timeout", str(serving[0].spec.autoscaling.hold_seconds)]
+                        "--hold-timeout", str(serving[0].spec.autoscaling.hold_seconds),
+                        "--boot-seconds", str(serving[0].spec.autoscaling.boot_seconds)]
     else:
         router_args += [a for pool in pools for w in pool.workers for a in ("--worker", w.url)]
     if len(serving) < len(services):  # cascades: the router resolves their tiers from it

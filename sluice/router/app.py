@@ -61,7 +61,7 @@ from starlette.requests import ClientDisconnect
 
 from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
 from sluice.api.openai import http_error_body
-from sluice.argtypes import http_url, port
+from sluice.argtypes import http_url, port, seconds
 from sluice.logs import quiet_probe_access_logs
 from sluice.router import discovery
 from sluice.router.admission import Rejected
@@ -82,7 +82,6 @@ from sluice.router.tenants import KeyFileError, KeyRing, Tenant, Unauthorized
 logger = logging.getLogger(__name__)
 
 DISCOVERY = ("static", "kubernetes", "file")
-NO_WORKER_RETRY_AFTER_S = 5  # a replica may be starting (scale from zero)
 KEEPALIVE_S = 4.0  # below the worker's idle keep-alive (uvicorn's timeout_keep_alive, 5 s)
 
 
@@ -104,6 +103,8 @@ class RouterConfig:
             worker's whole answer for a plain request); above realistic TTFT plus queueing.
         read_timeout: seconds allowed between two chunks of a stream.
         poll_interval: seconds between health polls of each worker.
+        boot_s: seconds a new worker takes to turn ready (``EndpointSet``'s prior for the
+            admission gate's late binding across a scale-up); None: learnt from scale-ups.
         max_body_bytes: the largest request body accepted (413 beyond, found while reading).
         keepalive_timeout: seconds an idle worker connection is kept for reuse; below the
             worker's own idle timeout, so the router never writes on one the worker closes.
@@ -124,6 +125,7 @@ class RouterConfig:
     first_byte_timeout: float = 300.0
     read_timeout: float = 600.0
     poll_interval: float = 1.0
+    boot_s: float | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     keepalive_timeout: float = KEEPALIVE_S
     api_keys: str | None = None
@@ -268,7 +270,7 @@ def _no_ready_worker(state: RouterState, model: str, charge: Charge | None = Non
     state.dispatcher.demand.rejected(model)
     response = openai_error(503, f"no ready worker serves `{model}`; retry shortly",
                             "server_error", code="no_ready_worker")
-    response.headers["Retry-After"] = str(NO_WORKER_RETRY_AFTER_S)
+    response.headers["Retry-After"] = str(state.dispatcher.no_worker_retry_after(model))
     return _count(state, model, response, charge=charge)
 
 
@@ -387,7 +389,7 @@ def create_app(config: RouterConfig) -> FastAPI:
                                       auto_decompress=False, trust_env=False,
                                       trace_configs=[reuse]) as session:
             endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval,
-                                    workers_file=config.workers_file)
+                                    workers_file=config.workers_file, boot_s=config.boot_s)
             endpoints.cascades = dict(cascades)
             metrics = RouterMetrics()
             dispatcher = Dispatcher(endpoints, config.dispatch, metrics)
@@ -513,6 +515,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request waits for a ready worker when none is ready "
                         "(scale from zero) before 503; an InferenceService with autoscaling "
                         "sets its own (default: %(default)s: no wait)")
+    parser.add_argument("--boot-seconds", type=seconds, default=None,
+                        help="seconds a new worker takes to turn ready: while one boots, a "
+                        "request waits for it when its first token is predicted sooner there "
+                        "(an InferenceService with autoscaling sets its bootSeconds; default: "
+                        "learnt from the first scale-up)")
     parser.add_argument("--connect-timeout", type=float, default=5.0,
                         help="seconds to connect to a worker (default: %(default)s)")
     parser.add_argument("--first-byte-timeout", type=float, default=300.0,
@@ -590,7 +597,7 @@ def run(args: argparse.Namespace) -> int:
                           connect_timeout=args.connect_timeout,
                           first_byte_timeout=args.first_byte_timeout,
                           read_timeout=args.read_timeout, poll_interval=args.poll_interval,
-                          max_body_bytes=args.max_body_bytes,
+                          boot_s=args.boot_seconds, max_body_bytes=args.max_body_bytes,
                           keepalive_timeout=args.keepalive_timeout, api_keys=args.api_keys,
                           manifest=args.manifest)
     if kubernetes:

@@ -49,6 +49,11 @@ MAX_BACKOFF_FACTOR = 8  # an unreachable worker is polled at most every 8 poll i
 # worker's readiness instead of within a poll interval (or a backed-off 2-8 of them).
 BOOT_POLL_S = 0.2
 BOOT_GRACE_S = 600.0
+# The boot time the admission gate expects of a booting endpoint (``EndpointSet.boot_s``):
+# an EWMA (weight BOOT_EWMA) of scale-ups' listed-to-ready times; a boot that takes over
+# BOOT_LATE_FACTOR times it is no longer waited for.
+BOOT_EWMA = 0.5
+BOOT_LATE_FACTOR = 2.0
 REPORT_FRESH_S = 3.0  # a worker's load report older than this is ignored
 
 # the load headers every generation response carries (sluice.worker.generation)
@@ -275,17 +280,21 @@ class EndpointSet:
         urls: worker base URLs; duplicates and trailing slashes are dropped.
         poll_interval: seconds between polls of a reachable worker.
         poll_timeout: seconds allowed for each ``/health`` or ``/v1/models`` call.
+        boot_s: the seconds a worker takes from being listed to ready, until scale-ups show
+            it (``boot_s`` then follows them); None: not known until then.
 
     Static discovery passes the URLs here once. Dynamic discovery starts empty and calls
     ``sync``; it must do so on the event loop's thread.
     """
 
     def __init__(self, urls: Sequence[str] = (), poll_interval: float = 1.0,
-                 poll_timeout: float = 2.0, workers_file: str | None = None):
+                 poll_timeout: float = 2.0, workers_file: str | None = None,
+                 boot_s: float | None = None):
         self._endpoints: dict[str, Endpoint] = {}
         for url in sorted(u.rstrip("/") for u in urls):
             self._endpoints.setdefault(url, Endpoint(url))
         self._declared: frozenset[str] | None = None  # models discovery says exist
+        self._last_entries: dict[str, dict[str, Any]] = {}  # model → a worker's last entry
         self._wake: asyncio.Event | None = None  # set by sync: poll new endpoints now
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
@@ -297,6 +306,10 @@ class EndpointSet:
         self.cascades: dict[str, Any] = {}
         self.workers_file = workers_file  # file discovery (``sluice up``): re-read on change
         self._file_stamp: tuple[int, int] | None = None
+        self.boot_s = boot_s
+        # endpoints listed after the first poll are scale-ups: their boots teach ``boot_s``
+        # (those listed before it booted with the router, or were up already)
+        self._first_polled: float | None = None
 
     def sync(self, urls: Iterable[str], declared_models: Iterable[str],
              settings: dict[str, ModelSettings] | None = None,
@@ -363,6 +376,13 @@ class EndpointSet:
         """Listed, ready endpoints that serve ``model``, sorted by URL."""
         return [e for e in self if e.listed and e.ready and model in e.models]
 
+    def ready_in_s(self, model: str, now: float) -> float | None:
+        """Seconds until the soonest booting endpoint that may serve ``model`` (its models
+        are not known yet, or include it) is expected ready (``ready_in``), or None."""
+        return ready_in(self.boot_s, [now - e.listed_at for e in self
+                                      if e.booting(now) and not e.ready
+                                      and (not e.models_known or model in e.models)])
+
     def serves(self, model: str) -> bool:
         """Some endpoint has reported serving ``model`` (ready or not), discovery declares
         it, or it is a cascade's name."""
@@ -388,14 +408,16 @@ class EndpointSet:
     def model_entries(self) -> list[dict[str, Any]]:
         """The union of the listed workers' ``/v1/models`` entries, one per id, sorted by id;
         a model discovery declares and no listed worker serves (e.g. at zero replicas) gets
-        a minimal entry, so clients still find it."""
+        the last entry a worker gave for it (``max_model_len`` and all), else a minimal one,
+        so clients still find it."""
         union: dict[str, dict[str, Any]] = {}
         for endpoint in self.listed():
             for model_id, entry in endpoint.models.items():
                 union.setdefault(model_id, entry)
+        self._last_entries.update(union)
         for model_id in self._declared or ():
-            union.setdefault(model_id, {"id": model_id, "object": "model", "created": 0,
-                                        "owned_by": "sluice"})
+            union.setdefault(model_id, self._last_entries.get(model_id) or {
+                "id": model_id, "object": "model", "created": 0, "owned_by": "sluice"})
         for name, cascade in self.cascades.items():
             union[name] = {"id": name, "object": "model", "created": 0, "owned_by": "sluice",
                            "cascade": list(cascade.policy.tiers)}
@@ -459,6 +481,8 @@ class EndpointSet:
         now = time.monotonic()
         due = [e for e in self if (e.listed or e.unanswered) and e.next_poll <= now]
         await asyncio.gather(*(self._poll_one(client, e) for e in due))
+        if self._first_polled is None:
+            self._first_polled = time.monotonic()
         self.on_polled()
 
     async def poll_booting(self, client: httpx.AsyncClient) -> None:
@@ -539,7 +563,28 @@ class EndpointSet:
             logger.info("worker %s is %s (models: %s)", endpoint.url,
                         "ready" if ready else "not ready", ", ".join(sorted(endpoint.models)) or "?")
         endpoint.ready = ready
+        if ready and not endpoint.seen_ready and self._first_polled is not None \
+                and endpoint.listed_at > self._first_polled:
+            self.boot_s = boot_learnt(self.boot_s, time.monotonic() - endpoint.listed_at)
         endpoint.seen_ready = endpoint.seen_ready or ready
+
+
+def ready_in(boot_s: float | None, ages: Iterable[float]) -> float | None:
+    """Seconds until the soonest of the booting endpoints listed ``ages`` seconds ago is
+    expected ready: ``boot_s`` after it was listed, 0 once that has passed; None when none
+    is booting, ``boot_s`` is not known, or each is more than ``BOOT_LATE_FACTOR`` ×
+    ``boot_s`` into its boot (no longer waited for)."""
+    if boot_s is None:
+        return None
+    late = BOOT_LATE_FACTOR * boot_s
+    oldest = max((a for a in ages if 0.0 <= a <= late), default=None)
+    return None if oldest is None else max(0.0, boot_s - oldest)
+
+
+def boot_learnt(boot_s: float | None, observed_s: float) -> float:
+    """The expected boot (seconds) after one more observed listed-to-ready time: an EWMA
+    of weight ``BOOT_EWMA``, or the observation itself when none was expected yet."""
+    return observed_s if boot_s is None else boot_s + BOOT_EWMA * (observed_s - boot_s)
 
 
 def _health_status(response: httpx.Response) -> str | None:
