@@ -14,10 +14,10 @@ import pytest
 from sluice.api import metrics as names
 from sluice.router.admission import Rejected
 from sluice.router.discovery import ServiceView, model_settings, service_view, serving
-from sluice.router.dispatch import (NO_WORKER_RETRY_AFTER_S, RELEASE_HOLD_S, BadRoutingHeader,
-                                    Dispatcher, DispatchSettings)
-from sluice.router.endpoints import (BOOT_LATE_FACTOR, REPORT_FRESH_S, Endpoint, EndpointSet,
-                                     Lease, ModelSettings, WorkerLoad)
+from sluice.router.dispatch import (MAX_RETRY_AFTER_S, NO_WORKER_RETRY_AFTER_S, RELEASE_HOLD_S,
+                                    BadRoutingHeader, Dispatcher, DispatchSettings)
+from sluice.router.endpoints import (REPORT_FRESH_S, Endpoint, EndpointSet, Lease, ModelSettings,
+                                     WorkerLoad)
 from sluice.router.policy import LeastLoadPolicy, PrefixPolicy, SLOPolicy
 from sluice.router.metrics import RouterMetrics
 
@@ -167,10 +167,11 @@ def test_gate_work_conserving_then_predicted_ttft():
     assert no_slo.gate(no_slo.routing_request(BODY, {}, arrival=0))
 
 
-def booting_fleet(boot_s: float = 1.0, age_s: float = 0.5, slo_ttft_ms: float = 1000.0):
+def booting_fleet(boot_s: float | None = 1.0, age_s: float = 0.5,
+                  slo_ttft_ms: float = 1000.0):
     """One ready endpoint decoding a full batch with a deep prefill queue of its own (its
-    report; the router sent it nothing, so it has no prefill in flight from here), and one
-    listed ``age_s`` ago that is booting, with ``boot_s`` the expected boot."""
+    report), and one listed ``age_s`` ago that is booting, with ``boot_s`` the expected
+    boot."""
     endpoints, d = fleet(1, slo_ttft_ms=slo_ttft_ms)
     endpoints.boot_s = boot_s
     busy = next(iter(endpoints))
@@ -181,52 +182,18 @@ def booting_fleet(boot_s: float = 1.0, age_s: float = 0.5, slo_ttft_ms: float = 
     return endpoints, d, busy, new
 
 
-def test_gate_waits_for_a_booting_replica_predicted_sooner_than_the_busy_one():
-    """Late binding across a scale-up: the busy endpoint has no prefill in flight from the
-    router (work conservation would send the request there at once: TTFT ~8 s), but the
-    replica booting is expected ready in 0.5 s: the request waits for it, and goes once it
-    is ready."""
-    endpoints, d, busy, new = booting_fleet()
-    r = d.routing_request(BODY, {}, arrival=time.monotonic())
-    assert endpoints.ready_in_s(MODEL, time.monotonic()) == pytest.approx(0.5, abs=0.05)
-    assert busy.prefilling == 0 and not d.gate(r)
-    new.ready, new.seen_ready = True, True
-    new.models, new.models_known = {MODEL: {"id": MODEL}}, True
-    assert endpoints.ready_in_s(MODEL, time.monotonic()) is None
-    assert d.gate(r)
-    assert run(d.choose(endpoints.ready_for(MODEL), r))[0].url == "http://new"
-
-
-@pytest.mark.parametrize("case", ["late", "beyond the budget", "unknown boot", "other model"])
-def test_gate_does_not_wait_for_a_boot_it_cannot_count_on(case):
-    """No wait when the boot is past BOOT_LATE_FACTOR x its expected time, when waiting
-    would still miss the TTFT budget, when no boot time is known yet, or when the booting
-    endpoint is known to serve another model: the busy endpoint without a prefill in
-    flight takes the request (work conservation)."""
-    boot_s, age_s = {"late": (1.0, BOOT_LATE_FACTOR + 0.1), "beyond the budget": (3.0, 0.5),
-                     "unknown boot": (None, 0.5), "other model": (1.0, 0.5)}[case]
-    endpoints, d, busy, new = booting_fleet(boot_s, age_s)
-    if case == "other model":
-        new.models, new.models_known = {"other": {"id": "other"}}, True
-    assert d.gate(d.routing_request(BODY, {}, arrival=time.monotonic()))
-
-
 def test_a_503_without_a_ready_replica_says_when_the_booting_one_is_expected():
     """Retry-After of ``no_ready_worker``: the booting replica's expected seconds left
-    (1.5 -> 2), at least 1 once it is due, the old fixed 5 when none is expected."""
+    (1.5 -> 2), at least 1 once it is due, the old fixed 5 when none is expected, at most
+    an hour (a 301-digit header for --boot-seconds 1e300)."""
     endpoints, d, busy, new = booting_fleet(boot_s=2.0, age_s=0.5)
     assert d.no_worker_retry_after(MODEL) == 2
     new.listed_at = time.monotonic() - 2.5
     assert d.no_worker_retry_after(MODEL) == 1
     endpoints.boot_s = None
     assert d.no_worker_retry_after(MODEL) == NO_WORKER_RETRY_AFTER_S == 5
-
-
-def test_gate_does_not_wait_when_a_ready_replica_is_as_good():
-    """An idle ready endpoint beats any boot: the request goes at once."""
-    endpoints, d, busy, new = booting_fleet()
-    busy.reported = None  # nothing queued or running there: as good as the new replica
-    assert d.gate(d.routing_request(BODY, {}, arrival=time.monotonic()))
+    endpoints.boot_s, new.listed_at = 1e300, time.monotonic()  # found by a fresh user
+    assert d.no_worker_retry_after(MODEL) == MAX_RETRY_AFTER_S == 3600
 
 
 def test_full_queue_answers_rejected_with_retry_after():

@@ -398,30 +398,3 @@ def test_the_committed_validation_against_real_workers():
                           yaml.safe_load((root / "examples/smollm2.yaml").read_text())["spec"])
     assert again["real"] == pytest.approx(data["real"])
     assert again["simulated"] == pytest.approx(data["simulated"])
-
-
-def test_the_simulated_gate_waits_for_a_booting_replica_as_the_router_does():
-    """``SimRouter`` feeds ``policy.gate_open`` the same late-binding input as the router
-    (``endpoints.ready_in``): replica 0 holds three 1,000-token prefills, replica 1 was
-    listed 0.5 s ago with a 1 s boot expected: a fourth prompt (5 s objective; ~1.6 s
-    predicted behind the three, ~0.9 s via the boot) waits, then goes to replica 1 once it
-    is ready, whose 1.2 s boot the router learns (EWMA, half way from 1 s). Without a boot
-    expected (unknown before a scale-up), it goes to replica 0 at once."""
-    from sluice.sim.router import SimRouter
-
-    def fleet(boot_s):
-        router = SimRouter("slo", candidates=0, ttft_slo_s=5.0, boot_s=boot_s)
-        router.add(0, 0.0)
-        for rid in range(3):
-            assert router.admits(rid, 1000, (), 0.0, 0.0)
-            assert router.choose(rid, 1000, (), 0.0, 0.0) == 0
-        router.listed(1, 0.0)
-        return router
-
-    router = fleet(1.0)
-    assert not router.admits(3, 1000, (), 0.5, 0.5)
-    router.add(1, 1.2)
-    assert router.boot_s == pytest.approx(1.1)
-    assert router.admits(3, 1000, (), 0.5, 1.2) and router.choose(3, 1000, (), 0.5, 1.2) == 1
-    unknown = fleet(None)
-    assert unknown.admits(3, 1000, (), 0.5, 0.5) and unknown.choose(3, 1000, (), 0.5, 0.5) == 0

@@ -67,7 +67,8 @@ from sluice.router import discovery
 from sluice.router.admission import Rejected
 from sluice.router.cascade import manifest_cascades
 from sluice.router.cascade import serve as serve_cascade
-from sluice.router.dispatch import BadRoutingHeader, Dispatcher, DispatchSettings
+from sluice.router.dispatch import (NO_WORKER_RETRY_AFTER_S, BadRoutingHeader, Dispatcher,
+                                    DispatchSettings)
 from sluice.router.endpoints import EndpointSet
 from sluice.router.exchange import Exchange
 from sluice.router.metrics import DemandCollector, RouterMetrics
@@ -103,8 +104,8 @@ class RouterConfig:
             worker's whole answer for a plain request); above realistic TTFT plus queueing.
         read_timeout: seconds allowed between two chunks of a stream.
         poll_interval: seconds between health polls of each worker.
-        boot_s: seconds a new worker takes to turn ready (``EndpointSet``'s prior for the
-            admission gate's late binding across a scale-up); None: learnt from scale-ups.
+        boot_s: seconds a new worker takes to turn ready (``EndpointSet``'s prior for a
+            503's ``Retry-After`` while none is ready); None: learnt from scale-ups.
         max_body_bytes: the largest request body accepted (413 beyond, found while reading).
         keepalive_timeout: seconds an idle worker connection is kept for reuse; below the
             worker's own idle timeout, so the router never writes on one the worker closes.
@@ -330,8 +331,10 @@ def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response
     if well_formed and endpoints.serves(model):
         return body, None
     if well_formed and not endpoints.any_models_known():
-        return {}, openai_error(503, "no worker has reported its models yet; retry shortly",
+        response = openai_error(503, "no worker has reported its models yet; retry shortly",
                                 "server_error", code="no_ready_worker")
+        response.headers["Retry-After"] = str(NO_WORKER_RETRY_AFTER_S)
+        return {}, response
     shown = model.encode("utf-8", "backslashreplace").decode()  # a lone surrogate is not UTF-8
     return {}, openai_error(404, f"The model `{shown}` does not exist.",
                             "invalid_request_error", "model", "model_not_found")
@@ -516,9 +519,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(scale from zero) before 503; an InferenceService with autoscaling "
                         "sets its own (default: %(default)s: no wait)")
     parser.add_argument("--boot-seconds", type=seconds, default=None,
-                        help="seconds a new worker takes to turn ready: while one boots, a "
-                        "request waits for it when its first token is predicted sooner there "
-                        "(an InferenceService with autoscaling sets its bootSeconds; default: "
+                        help="seconds a new worker takes to turn ready: a 503 while none is "
+                        "ready says in Retry-After when a booting one is expected (an "
+                        "InferenceService with autoscaling sets its bootSeconds; default: "
                         "learnt from the first scale-up)")
     parser.add_argument("--connect-timeout", type=float, default=5.0,
                         help="seconds to connect to a worker (default: %(default)s)")

@@ -9,10 +9,8 @@ endpoint, and what each exchange teaches the latency models.
 
 The admission gate (``gate``, deciding by ``policy.gate_open``) lets a request through when
 some ready endpoint is predicted to meet its TTFT objective, or has no prefill in flight at
-all (work conservation: an idle endpoint never waits while requests queue), unless a
-replica that is booting is predicted to give the first token sooner (late binding across
-a scale-up). Every capacity event (first token, finished request, a poll) kicks the queue,
-which re-checks its head.
+all (work conservation: an idle endpoint never waits while requests queue). Every capacity
+event (first token, finished request, a poll) kicks the queue, which re-checks its head.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ HEADER_PRIORITY = "x-priority"
 EWMA_ALPHA = 0.1
 RELEASE_HOLD_S = 1.0  # a released request that never settles blocks its queue this long
 NO_WORKER_RETRY_AFTER_S = 5  # no ready replica and none expected soon: one may be starting
+MAX_RETRY_AFTER_S = 3600  # bootSeconds' own bound
 
 
 class BadRoutingHeader(ValueError):
@@ -225,8 +224,7 @@ class Dispatcher:
             del self._releasing[request.model]  # it never settled: stop waiting for it
         candidates = self.endpoints.ready_for(request.model)
         is_open, predictions = gate_open(candidates, request, self.context.prefix_index, now,
-                                         self.context.fleet,
-                                         self.endpoints.ready_in_s(request.model, now))
+                                         self.context.fleet)
         if predictions is not None:
             request.predicted.by_url = {e.url: p for e, p in zip(candidates, predictions)}
         return is_open
@@ -304,7 +302,8 @@ class Dispatcher:
         until its booting replica is expected ready (``EndpointSet.ready_in_s``), else
         ``NO_WORKER_RETRY_AFTER_S``."""
         soon = self.endpoints.ready_in_s(model, self.clock())
-        return NO_WORKER_RETRY_AFTER_S if soon is None else max(1, math.ceil(soon))
+        return NO_WORKER_RETRY_AFTER_S if soon is None else \
+            min(MAX_RETRY_AFTER_S, max(1, math.ceil(soon)))
 
     def _retry_after(self, model: str) -> float:
         """Seconds until the queue has likely drained: waiting × mean TTFT / ready replicas."""

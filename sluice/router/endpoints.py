@@ -49,9 +49,9 @@ MAX_BACKOFF_FACTOR = 8  # an unreachable worker is polled at most every 8 poll i
 # worker's readiness instead of within a poll interval (or a backed-off 2-8 of them).
 BOOT_POLL_S = 0.2
 BOOT_GRACE_S = 600.0
-# The boot time the admission gate expects of a booting endpoint (``EndpointSet.boot_s``):
-# an EWMA (weight BOOT_EWMA) of scale-ups' listed-to-ready times; a boot that takes over
-# BOOT_LATE_FACTOR times it is no longer waited for.
+# The boot time expected of a booting endpoint (``EndpointSet.boot_s``: a 503's Retry-After
+# while none is ready): an EWMA (weight BOOT_EWMA) of scale-ups' listed-to-ready times; a
+# boot that takes over BOOT_LATE_FACTOR times it is no longer counted on.
 BOOT_EWMA = 0.5
 BOOT_LATE_FACTOR = 2.0
 REPORT_FRESH_S = 3.0  # a worker's load report older than this is ignored
@@ -549,6 +549,7 @@ class EndpointSet:
                 entries = models.json()["data"]
                 endpoint.models = {str(m["id"]): m for m in entries}
                 endpoint.models_known = True
+                self._last_entries.update(endpoint.models)  # kept for a model at zero
             except (ValueError, KeyError, TypeError):
                 logger.warning("worker %s sent a malformed /v1/models answer", endpoint.url)
         if scrape.status_code == 200:

@@ -298,7 +298,7 @@ def predict_all(candidates: Sequence[Endpoint], request: RoutingRequest, index: 
 
 
 def gate_open(candidates: Sequence[Endpoint], request: RoutingRequest, index: PrefixIndex,
-              now: float, fleet: LatencyModel | None = None, ready_in_s: float | None = None
+              now: float, fleet: LatencyModel | None = None
               ) -> tuple[bool, list[Prediction] | None]:
     """The admission gate: may ``request`` go to one of ``candidates`` (ready endpoints)
     now, or wait in its model's queue? It may when it has no TTFT objective, when no
@@ -313,43 +313,16 @@ def gate_open(candidates: Sequence[Endpoint], request: RoutingRequest, index: Pr
     512-token prompts ran 0.80 req/s with the gate and 0.96 without, at ITL p90 305 ms
     against 2.5 s.
 
-    Late binding across a scale-up: while a replica is booting (``ready_in_s``), a request
-    waits for it when its first token is predicted sooner there (``ready_in_s`` plus its
-    TTFT on an empty replica, ``fresh_ttft_s``) than on every ready candidate, and within
-    its budget, even if some candidate has no prefill in flight: the burst that started
-    the replica does not pile onto the busy ones in the second before it is ready.
-
-    Args:
-        ready_in_s: seconds until a booting replica of the model is expected ready
-            (``EndpointSet.ready_in_s``), or None when none is.
-
     Returns:
         (open, the predictions made for ``candidates`` or None when none were needed).
     """
     if not candidates or request.deadline is None:
         return True, None
-    idle = any(e.prefilling == 0 for e in candidates)
-    if idle and ready_in_s is None:
+    if any(e.prefilling == 0 for e in candidates):
         return True, None
     predictions = predict_all(candidates, request, index, now, fleet)
     budget = request.budget_s(now)
-    if ready_in_s is not None:
-        there = ready_in_s + fresh_ttft_s(candidates, request, fleet)
-        if there <= budget and all(there < p.ttft_s for p in predictions):
-            return False, predictions
-    return idle or any(p.ttft_s <= budget for p in predictions), predictions
-
-
-def fresh_ttft_s(candidates: Sequence[Endpoint], request: RoutingRequest,
-                 fleet: LatencyModel | None = None) -> float:
-    """``request``'s predicted TTFT (seconds) on a replica of ``candidates``' model that has
-    nothing queued or running and nothing of its prompt cached: a replica about to turn
-    ready. Its drain rate is the fastest one its siblings show (it has none of its own
-    yet); its model is the fleet's, else the first candidate's."""
-    rates = [r for e in candidates if (r := e.drain.rate()) is not None]
-    features = TTFTFeatures(0.0, float(request.shape.tokens),
-                            max(rates) if rates else PRIOR_DRAIN_TOKENS_PER_S, 0.0)
-    return (fleet if fleet is not None else candidates[0].latency).ttft_s(features)
+    return any(p.ttft_s <= budget for p in predictions), predictions
 
 
 @dataclass

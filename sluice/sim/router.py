@@ -19,11 +19,7 @@ the policy, since the admission gate reads them; ``errors`` keeps the prediction
 Admission (``admits``): the router's gate, ``policy.gate_open``, on the same objects. A
 request the gate refuses waits in the simulator's queue (the router's admission queue:
 with one objective and one priority for all, its EDF order is arrival order) until a
-capacity event (a first token, an end, a replica turning ready, a poll) opens it. While a
-replica boots, the gate gets the router's late-binding input too (``endpoints.ready_in``
-over the booting replicas' listing times, ``boot_s`` learnt from their boots by
-``endpoints.boot_learnt``), so a request may wait for it; the simulator re-checks at the
-events above, the router also at each 0.2 s boot poll.
+capacity event (a first token, an end, a replica turning ready, a poll) opens it.
 
 Candidates are ``d`` ready endpoints sampled uniformly (power of d choices, Mitzenmacher
 2001), sorted by URL as the router sorts them; ``d = 0`` scores every ready endpoint, as
@@ -41,7 +37,7 @@ import logging
 import math
 import random
 
-from sluice.router.endpoints import Endpoint, Lease, WorkerLoad, boot_learnt, ready_in
+from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
 from sluice.router.policy import (PolicyContext, Prediction, RoutingRequest, gate_open,
                                   least_load, predict_all, round_robin, slo_pick)
 from sluice.router.predictor import ErrorTracker
@@ -66,13 +62,10 @@ class SimRouter:
         ttft_slo_s / itl_slo_s: the objectives every request carries (None: none).
         block_tokens: tokens per prefix block of the trace.
         seed: the sampling's random seed.
-        boot_s: the boot time the gate expects before it has seen one (the router's
-            ``--boot-seconds``); None: unknown until the first scale-up's boot.
     """
 
     def __init__(self, policy: str = "slo", candidates: int = 4, ttft_slo_s: float | None = 2.0,
-                 itl_slo_s: float | None = None, block_tokens: int = 512, seed: int = 0,
-                 boot_s: float | None = None):
+                 itl_slo_s: float | None = None, block_tokens: int = 512, seed: int = 0):
         if policy not in ROUTING:
             raise ValueError(f"unknown routing policy {policy!r}; known: {', '.join(ROUTING)}")
         self.policy, self.d = policy, candidates
@@ -88,18 +81,9 @@ class SimRouter:
         # the gate's look at the request it last let through: (rid, sample, predictions)
         self._gated: tuple[int, list[int], list[Prediction]] | None = None
         self._turn = 0
-        self.boot_s = boot_s  # EndpointSet.boot_s: learnt from scale-ups' boots
-        self.booting: dict[int, float] = {}  # replica index → when it was listed (booting)
 
-    def listed(self, index: int, now: float) -> None:
-        """Replica ``index`` started booting (``sluice up`` lists it in the workers file)."""
-        self.booting[index] = now
-
-    def add(self, index: int, now: float) -> None:
-        """Replica ``index`` turned ready; a listed one's boot teaches ``boot_s``."""
-        listed = self.booting.pop(index, None)
-        if listed is not None:
-            self.boot_s = boot_learnt(self.boot_s, now - listed)
+    def add(self, index: int) -> None:
+        """Replica ``index`` turned ready."""
         self.endpoints[index] = Endpoint(url(index), ready=True)
         self.ready.append(index)
         self.idle += 1
@@ -113,22 +97,17 @@ class SimRouter:
 
     def forget(self, index: int) -> None:
         self.endpoints.pop(index, None)
-        self.booting.pop(index, None)  # stopped while booting
 
     def admits(self, rid: int, prompt: int, blocks: tuple[int, ...], arrival: float,
                now: float) -> bool:
         """The admission gate (``policy.gate_open``) for request ``rid`` at ``now``: True
         when it may be sent (``ready`` must be non-empty), False when it waits."""
-        if self.ttft_slo_s is None:
-            return True
-        soon = ready_in(self.boot_s, [now - t for t in self.booting.values()]) \
-            if self.booting else None
-        if self.idle and soon is None:
+        if self.idle or self.ttft_slo_s is None:
             return True
         picked = self._sample()
         is_open, predictions = gate_open(
             [self.endpoints[i] for i in picked], self._request(prompt, blocks, arrival),
-            self.context.prefix_index, now, self.context.fleet, soon)
+            self.context.prefix_index, now, self.context.fleet)
         if is_open and predictions is not None:
             self._gated = (rid, picked, predictions)
         return is_open

@@ -119,8 +119,7 @@ class Simulator:
         self.progress = progress
         self.rng = random.Random(config.seed)
         self.router = SimRouter(config.routing, config.candidates, config.ttft_slo_s,
-                                config.itl_slo_s, trace.block_tokens, config.seed,
-                                config.boot_s or None)
+                                config.itl_slo_s, trace.block_tokens, config.seed)
         n = len(trace)
         self.first_s = array("d", [math.nan]) * n
         self.done_s = array("d", [math.nan]) * n
@@ -264,7 +263,6 @@ class Simulator:
             self._ready(index, now)
         else:
             self.booting[index] = now + boot_s
-            self.router.listed(index, now)
             self._push(now + boot_s, READY, index)
 
     def _ready(self, index: int, now: float) -> None:
@@ -272,7 +270,7 @@ class Simulator:
             return  # stopped while booting
         self.booting.pop(index, None)
         self.status[index] = SERVING
-        self.router.add(index, now)
+        self.router.add(index)
         self.queued.extend((rid, now) for rid in self.held)  # after any still queued
         self.held.clear()
         self._kick(now)
