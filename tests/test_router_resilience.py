@@ -309,6 +309,21 @@ def test_scale_ups_teach_the_expected_boot_and_the_startup_fleet_does_not(tmp_pa
     assert 0.8 - 0.25 <= learnt <= took and took < 1.3, (learnt, took)
 
 
+def test_boot_seconds_sets_the_retry_after_of_a_503_while_a_worker_boots(tmp_path):
+    """``--boot-seconds 30`` (what ``sluice up`` passes from ``bootSeconds``): a request
+    while the only listed worker has not bound its port yet gets 503 no_ready_worker with
+    ``Retry-After`` counting down from 30 (listed ~1 s before); without the flag, 5."""
+    workers_file = tmp_path / "workers.json"
+    workers_file.write_text(json.dumps({"workers": [f"http://127.0.0.1:{free_port()}"],
+                                        "models": [MODEL]}))
+    for extra, expected in ((["--boot-seconds", "30"], {29, 30}), ([], {5})):
+        with serve_router([], free_port(), "--discovery", "file", "--workers-file",
+                          str(workers_file), *extra) as router:
+            r = complete(router, "hi")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_ready_worker"
+            assert int(r.headers["retry-after"]) in expected, r.headers
+
+
 def test_ready_in_s_counts_down_the_soonest_boot_of_the_model():
     from sluice.router.endpoints import BOOT_LATE_FACTOR, EndpointSet
 
