@@ -4,6 +4,8 @@ flag named, instead of deep inside a server."""
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 
@@ -26,12 +28,46 @@ def http_url(text: str) -> str:
     return text.strip().rstrip("/")
 
 
-def seconds(text: str) -> float:
-    """A duration in seconds: a finite number ≥ 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"seconds must be finite and >= 0, got {text}")
-    return value
+def number(unit: str = "", minimum: float = 0.0, strict: bool = False
+           ) -> Callable[[str], float]:
+    """An argparse type for a finite number (of ``unit``) ≥ ``minimum``, or > it when
+    ``strict``; NaN and infinities are refused too."""
+    of = f" of {unit}" if unit else ""
+    bound = f"{'>' if strict else '>='} {minimum:g}{' ' + unit if unit else ''}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number{of}: {text!r}") from None
+        if not ((value > minimum if strict else value >= minimum) and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be finite and {bound}, got {text}")
+        return value
+
+    return parse
+
+
+seconds = number("seconds")  # a duration, 0 allowed (0: none, no wait)
+positive_seconds = number("seconds", strict=True)  # a timeout, an interval
+milliseconds = number("milliseconds")  # an objective (0: none)
+positive_milliseconds = number("milliseconds", strict=True)
+factor = number(minimum=1.0)  # a load factor
+
+
+def whole(minimum: int = 0) -> Callable[[str], int]:
+    """An argparse type for a whole number ≥ ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+count = whole(0)  # a queue length, a replica count
+positive_count = whole(1)  # a size, a number of characters

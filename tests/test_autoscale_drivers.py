@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import types
 from pathlib import Path
 
@@ -137,6 +138,37 @@ def test_workers_file_lists_workers_and_declares_models_at_zero(tmp_path):
     path.write_text("{not json")
     endpoints.reload_file()  # a bad file keeps the last good view
     assert endpoints.serves(MODEL)
+
+
+@pytest.mark.parametrize("data, problem", [
+    ({"workers": "http://w0"}, '"workers" must be a list of URLs'),  # was read per character
+    ({"workers": ["w0:8001"]}, "\"workers\": not an http(s) URL with a host: 'w0:8001'"),
+    ({"workers": ["http://w0"], "models": "m"}, '"models" must be a list of model names'),
+    ([], 'not a JSON object with a "workers" list'),
+])
+def test_a_bad_workers_file_is_refused_naming_the_field_and_logged_once(
+        tmp_path, caplog, data, problem):
+    path = tmp_path / "workers.json"
+    path.write_text(json.dumps({"workers": ["http://w1"], "models": [MODEL]}))
+    endpoints = EndpointSet(workers_file=str(path))
+    endpoints.reload_file()
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="sluice.router.endpoints"):
+        for _ in range(3):
+            endpoints.reload_file()
+            os.utime(path)  # a rewrite with the same bad content: still one line
+    assert [e.url for e in endpoints.listed()] == ["http://w1"]  # the last good view
+    assert [r.getMessage() for r in caplog.records] == \
+        [f"workers file {path} not used: ValueError: {problem}"]
+
+
+def test_a_missing_workers_file_is_logged_once_not_at_every_poll(tmp_path, caplog):
+    path = tmp_path / "workers.json"
+    endpoints = EndpointSet(workers_file=str(path))
+    with caplog.at_level("WARNING", logger="sluice.router.endpoints"):
+        for _ in range(5):
+            endpoints.reload_file()
+    assert len(caplog.records) == 1 and "FileNotFoundError" in caplog.records[0].getMessage()
 
 
 # ------------------------------------------------------------------ sluice up driver

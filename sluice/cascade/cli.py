@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from sluice.argtypes import positive_count, positive_seconds
 from sluice.cascade.policy import SIGNALS
 
 
@@ -31,7 +32,7 @@ def _costs(text: str) -> list[float]:
         costs = [float(c) for c in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"costs {text!r} are not comma-separated numbers")
-    if any(not c > 0 for c in costs):
+    if any(not 0 < c < float("inf") for c in costs):
         raise argparse.ArgumentTypeError(f"costs {text!r} must be positive")
     return costs
 
@@ -53,16 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="tier InferenceService names, smallest first, comma-separated")
     rec.add_argument("--set", dest="which", default="mix",
                      choices=("arithmetic", "humaneval", "mix"))
-    rec.add_argument("--sample", type=int, default=None,
+    rec.add_argument("--sample", type=positive_count, default=None,
                      help="items (default: arithmetic 100, humaneval 164, mix 164 + 164)")
     rec.add_argument("--seed", type=int, default=0)
-    rec.add_argument("--steps", type=int, default=4, help="arithmetic: operations per problem")
-    rec.add_argument("--max-value", type=int, default=100, help="arithmetic: number size")
-    rec.add_argument("--timeout", type=float, default=600.0, help="seconds per answer")
-    rec.add_argument("--max-tokens", type=int, default=None,
+    rec.add_argument("--steps", type=positive_count, default=4, help="arithmetic: operations per problem")
+    rec.add_argument("--max-value", type=positive_count, default=100, help="arithmetic: number size")
+    rec.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per answer")
+    rec.add_argument("--max-tokens", type=positive_count, default=None,
                      help="completion tokens per answer, every kind (default: 384 for "
                      "arithmetic, 512 for code)")
-    rec.add_argument("--batch", type=int, default=1,
+    rec.add_argument("--batch", type=positive_count, default=1,
                      help="items sent to a tier at once, answered in one continuous batch "
                      "(default 1; 8 records several times faster on CPU)")
     rec.add_argument("--out", default="records.jsonl", help="JSONL, appended to")
@@ -73,12 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--tiers", type=_names, required=True, help="smallest first")
     cal.add_argument("--costs", type=_costs, default=None, help="per tier (default 1,2,4,...)")
     cal.add_argument("--signal", default="logprob-quantile", choices=SIGNALS)
-    cal.add_argument("--quantile", type=float, default=0.1)
+    cal.add_argument("--quantile", type=_fraction, default=0.1)
     cal.add_argument("--target-top-share", type=_fraction, default=0.3)
     cal.add_argument("--pre-route-share", type=_fraction, default=None,
                      help="fit a pre-route model that sends at most this share straight to "
                      "the top tier (default: no pre-route)")
-    cal.add_argument("--splits", type=int, default=20, help="held-out random halves")
+    cal.add_argument("--splits", type=positive_count, default=20, help="held-out random halves")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--out", default=None, help="write the results as JSON here")
 

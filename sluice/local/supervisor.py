@@ -41,7 +41,7 @@ from prometheus_client import start_http_server
 
 from sluice.api.service import InferenceService, load_manifests
 from sluice.api.worker_args import worker_arguments
-from sluice.argtypes import port
+from sluice.argtypes import count, port, positive_seconds, seconds
 from sluice.autoscale.policy import Config
 from sluice.cascade.tiers import resolve_cascades
 from sluice.local.autoscaler import LocalAutoscaler
@@ -56,15 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="InferenceService YAML (one, or several separated by ---)")
     parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
     parser.add_argument("--port", type=port, default=8000, help="port the router binds")
-    parser.add_argument("--replicas", type=int, default=None,
+    parser.add_argument("--replicas", type=count, default=None,
                         help="override spec.replicas (worker processes) of every "
                         "InferenceService that runs workers")
-    parser.add_argument("--startup-timeout", type=float, default=300.0,
+    parser.add_argument("--startup-timeout", type=positive_seconds, default=300.0,
                         help="seconds to wait for every process to become healthy")
     parser.add_argument("--metrics-port", type=port, default=None,
                         help="with autoscaling: serve the autoscaler's Prometheus metrics on "
                         "127.0.0.1:PORT")
-    parser.add_argument("--grace-period", type=float, default=10.0,
+    parser.add_argument("--grace-period", type=seconds, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping children")
 
 

@@ -11,7 +11,7 @@ import logging
 import os
 import shlex
 
-from sluice.argtypes import http_url
+from sluice.argtypes import http_url, positive_count, positive_seconds
 from sluice.operator.resources import (
     DEFAULT_WORKER_IMAGE,
     MODEL_CACHE_DEFAULT,
@@ -54,15 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-endpoint-probe", dest="probe", action="store_false",
                         help="report Ready from the Deployment and Endpoints alone, without "
                              "GETting a worker's /health (when the operator cannot reach pods)")
-    parser.add_argument("--resync-seconds", type=float, default=30.0,
+    parser.add_argument("--resync-seconds", type=positive_seconds, default=30.0,
                         help="reconcile every InferenceService this often: children edited or "
                              "missing are put back, status recomputed (default: %(default)s)")
-    parser.add_argument("--request-timeout", type=float, default=15.0,
+    parser.add_argument("--request-timeout", type=positive_seconds, default=15.0,
                         help="seconds for each API request (default: %(default)s)")
-    parser.add_argument("--watch-timeout", type=int, default=300,
+    parser.add_argument("--watch-timeout", type=positive_count, default=300,
                         help="seconds the API server keeps each watch open (default: "
                              "%(default)s)")
-    parser.add_argument("--autoscale-interval", type=_positive, default=5.0, metavar="SECONDS",
+    parser.add_argument("--autoscale-interval", type=positive_seconds, default=5.0, metavar="SECONDS",
                         help="seconds between the autoscaler's rounds over InferenceServices "
                              "with spec.autoscaling.enabled (default: %(default)s)")
     parser.add_argument("--router-selector", default=DEFAULT_ROUTER_SELECTOR,
@@ -84,13 +84,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--operator-log-level", default=None,
                         help="log level of the operator alone (default: sluice --log-level)")
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
-    return value
 
 
 def _port_or_zero(text: str) -> int:

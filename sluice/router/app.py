@@ -61,7 +61,8 @@ from starlette.requests import ClientDisconnect
 
 from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
 from sluice.api.openai import http_error_body
-from sluice.argtypes import http_url, port, seconds
+from sluice.argtypes import (count, factor, http_url, milliseconds, port, positive_count,
+                             positive_milliseconds, positive_seconds, seconds)
 from sluice.logs import quiet_probe_access_logs
 from sluice.router import discovery
 from sluice.router.admission import Rejected
@@ -498,23 +499,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = DispatchSettings()
     parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                         help="routing policy (default: %(default)s)")
-    parser.add_argument("--load-factor", type=float, default=defaults.load_factor,
+    parser.add_argument("--load-factor", type=factor, default=defaults.load_factor,
                         help="prefix policy: no worker takes more than this times the average "
                         "in-flight load (default: %(default)s)")
-    parser.add_argument("--prefix-key-chars", type=int, default=defaults.prefix_key_chars,
+    parser.add_argument("--prefix-key-chars", type=positive_count, default=defaults.prefix_key_chars,
                         help="prompt characters hashed into the prefix key (default: %(default)s)")
-    parser.add_argument("--slo-ttft-ms", type=float, default=defaults.slo_ttft_ms,
+    parser.add_argument("--slo-ttft-ms", type=milliseconds, default=defaults.slo_ttft_ms,
                         help="TTFT objective of requests whose InferenceService and x-slo-ttft-ms "
                         "header set none; 0: none (default: %(default)s)")
-    parser.add_argument("--slo-itl-ms", type=float, default=0.0,
+    parser.add_argument("--slo-itl-ms", type=milliseconds, default=0.0,
                         help="inter-token latency objective, likewise; 0: none (default)")
-    parser.add_argument("--max-queue", type=int, default=defaults.max_queue,
+    parser.add_argument("--max-queue", type=count, default=defaults.max_queue,
                         help="requests that may wait per model when no worker is predicted to "
                         "meet their TTFT objective; beyond it: 429 (default: %(default)s)")
-    parser.add_argument("--queue-timeout", type=float, default=defaults.queue_timeout,
+    parser.add_argument("--queue-timeout", type=seconds, default=defaults.queue_timeout,
                         help="seconds a request may wait in the queue before 429 "
                         "(default: %(default)s)")
-    parser.add_argument("--hold-timeout", type=float, default=defaults.hold_s,
+    parser.add_argument("--hold-timeout", type=seconds, default=defaults.hold_s,
                         help="seconds a request waits for a ready worker when none is ready "
                         "(scale from zero) before 503; an InferenceService with autoscaling "
                         "sets its own (default: %(default)s: no wait)")
@@ -523,22 +524,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "ready says in Retry-After when a booting one is expected (an "
                         "InferenceService with autoscaling sets its bootSeconds; default: "
                         "learnt from the first scale-up)")
-    parser.add_argument("--connect-timeout", type=float, default=5.0,
+    parser.add_argument("--connect-timeout", type=positive_seconds, default=5.0,
                         help="seconds to connect to a worker (default: %(default)s)")
-    parser.add_argument("--first-byte-timeout", type=float, default=300.0,
+    parser.add_argument("--first-byte-timeout", type=positive_seconds, default=300.0,
                         help="seconds from sending a request to its first byte (a plain "
                         "request: its whole answer) (default: %(default)s)")
-    parser.add_argument("--read-timeout", type=float, default=600.0,
+    parser.add_argument("--read-timeout", type=positive_seconds, default=600.0,
                         help="seconds allowed between stream chunks (default: %(default)s)")
-    parser.add_argument("--poll-interval", type=float, default=1.0,
+    parser.add_argument("--poll-interval", type=positive_seconds, default=1.0,
                         help="seconds between health polls of each worker")
-    parser.add_argument("--keepalive-timeout", type=float, default=KEEPALIVE_S,
+    parser.add_argument("--keepalive-timeout", type=positive_seconds, default=KEEPALIVE_S,
                         help="seconds an idle worker connection is kept for reuse; keep it below "
                         "the workers' own idle timeout (uvicorn: 5 s) (default: %(default)s)")
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+    parser.add_argument("--max-body-bytes", type=positive_count, default=MAX_BODY_BYTES,
                         help="largest request body accepted; beyond it: 413, found while "
                         "reading (default: %(default)s, 16 MiB)")
-    parser.add_argument("--max-slo-ms", type=float, default=defaults.max_slo_ms,
+    parser.add_argument("--max-slo-ms", type=positive_milliseconds, default=defaults.max_slo_ms,
                         help="loosest objective an x-slo-ttft-ms or x-slo-itl-ms header may ask "
                         "for; beyond it: 400 (default: %(default)s)")
     parser.add_argument("--public-priority", type=int, default=defaults.public_priority,

@@ -24,6 +24,7 @@ it has.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -38,6 +39,7 @@ from typing import Any, Protocol
 import httpx
 
 from sluice.api import metrics as names
+from sluice.argtypes import http_url
 from sluice.router.predictor import DrainMeter, LatencyModel
 
 logger = logging.getLogger(__name__)
@@ -306,6 +308,7 @@ class EndpointSet:
         self.cascades: dict[str, Any] = {}
         self.workers_file = workers_file  # file discovery (``sluice up``): re-read on change
         self._file_stamp: tuple[int, int] | None = None
+        self._file_problem: str | None = None  # why the workers file was last not used
         self.boot_s = boot_s
         # endpoints listed after the first poll are scale-ups: their boots teach ``boot_s``
         # (those listed before it booted with the router, or were up already)
@@ -463,13 +466,14 @@ class EndpointSet:
                 return
             self._file_stamp = stamp
             with open(self.workers_file) as f:
-                data = json.load(f)
-            urls, models = data["workers"], data.get("models", [])
-            if not all(isinstance(u, str) for u in [*urls, *models]):
-                raise ValueError("workers and models must be lists of strings")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            logger.warning("workers file %s not used: %s", self.workers_file, _describe(exc))
+                urls, models = parse_workers_file(json.load(f))
+        except (OSError, ValueError) as exc:
+            problem = _describe(exc)
+            if problem != self._file_problem:  # once per change, not at every poll
+                logger.warning("workers file %s not used: %s", self.workers_file, problem)
+                self._file_problem = problem
             return
+        self._file_problem = None
         self.sync(urls, models, self.settings)
 
     async def poll(self, client: httpx.AsyncClient) -> None:
@@ -595,6 +599,27 @@ def _health_status(response: httpx.Response) -> str | None:
     except (ValueError, AttributeError):
         return None
     return status if isinstance(status, str) else None
+
+
+def parse_workers_file(data: object) -> tuple[list[str], list[str]]:
+    """The worker URLs and model names of a workers file's JSON (``EndpointSet.reload_file``).
+
+    Raises:
+        ValueError: not an object, ``workers`` missing or not a list of http(s) URLs with a
+            host, or ``models`` not a list of names; the message names the field.
+    """
+    if not isinstance(data, dict) or "workers" not in data:
+        raise ValueError('not a JSON object with a "workers" list')
+    urls, models = data["workers"], data.get("models", [])
+    if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        raise ValueError('"workers" must be a list of URLs')
+    try:
+        urls = [http_url(u) for u in urls]
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f'"workers": {exc}') from None
+    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+        raise ValueError('"models" must be a list of model names')
+    return urls, models
 
 
 def _describe(exc: Exception) -> str:
