@@ -234,7 +234,7 @@ def test_bad_manifest_exits_2_naming_the_field(tmp_path):
 
 
 @pytest.mark.parametrize("replicas, message", [("0", "0 replicas: nothing would serve"),
-                                               ("-1", "--replicas must be >= 0, got -1")])
+                                               ("-1", "argument --replicas: must be >= 0, got -1")])
 def test_up_needs_a_worker(replicas, message):
     result = subprocess.run([sys.executable, "-m", "sluice.cli", "up", "-f", str(EXAMPLE),
                              "--replicas", replicas, "--port", str(free_port())],
