@@ -4,6 +4,7 @@ flag named, instead of deep inside a server."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from urllib.parse import urlsplit
@@ -28,19 +29,24 @@ def http_url(text: str) -> str:
     return text.strip().rstrip("/")
 
 
-def number(unit: str = "", minimum: float = 0.0, strict: bool = False
-           ) -> Callable[[str], float]:
-    """An argparse type for a finite number (of ``unit``) ≥ ``minimum``, or > it when
-    ``strict``; NaN and infinities are refused too."""
+def number(unit: str = "", minimum: float = 0.0, strict: bool = False,
+           maximum: float = math.inf, below: bool = False) -> Callable[[str], float]:
+    """An argparse type for a finite number (of ``unit``) ≥ ``minimum`` (> it when
+    ``strict``) and ≤ ``maximum`` (< it when ``below``); NaN and infinities are refused."""
     of = f" of {unit}" if unit else ""
-    bound = f"{'>' if strict else '>='} {minimum:g}{' ' + unit if unit else ''}"
+    bound = f"{'>' if strict else '>='} {minimum:g}"
+    if maximum != math.inf:
+        bound += f" and {'<' if below else '<='} {maximum:g}"
+    bound += f" {unit}" if unit else ""
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number{of}: {text!r}") from None
-        if not ((value > minimum if strict else value >= minimum) and math.isfinite(value)):
+        low_ok = value > minimum if strict else value >= minimum
+        high_ok = value < maximum if below else value <= maximum
+        if not (low_ok and high_ok and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"must be finite and {bound}, got {text}")
         return value
 
@@ -51,7 +57,10 @@ seconds = number("seconds")  # a duration, 0 allowed (0: none, no wait)
 positive_seconds = number("seconds", strict=True)  # a timeout, an interval
 milliseconds = number("milliseconds")  # an objective (0: none)
 positive_milliseconds = number("milliseconds", strict=True)
+positive = number(strict=True)  # a rate, a scale
 factor = number(minimum=1.0)  # a load factor
+fraction = number(maximum=1.0, below=True)  # a spread, [0, 1)
+percent = number(strict=True, maximum=100.0)  # a percentile, an attainment target, (0, 100]
 
 
 def whole(minimum: int = 0) -> Callable[[str], int]:
@@ -71,3 +80,14 @@ def whole(minimum: int = 0) -> Callable[[str], int]:
 
 count = whole(0)  # a queue length, a replica count
 positive_count = whole(1)  # a size, a number of characters
+
+
+def json_object(text: str) -> dict:
+    """A JSON object (``{...}``), e.g. fields merged into every request."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text}")
+    return value

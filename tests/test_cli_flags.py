@@ -39,8 +39,11 @@ from sluice import cli
     (["operator", "--watch-timeout", "0"], "argument --watch-timeout: must be >= 1, got 0"),
     (["operator", "--resync-seconds", "nan"],
      "argument --resync-seconds: must be finite and > 0 seconds, got nan"),
+    (["worker", "--kv-cache-gib", "nan"], "argument --kv-cache-gib: must be finite and > 0, got nan"),
+    (["worker", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
+    (["worker", "--max-num-seqs", "-4"], "argument --max-num-seqs: must be >= 1, got -4"),
     (["cascade", "calibrate", "--records", "r", "--tiers", "a,b", "--quantile", "2"],
-     "argument --quantile: 2 is not within [0, 1]"),
+     "argument --quantile: must be finite and >= 0 and <= 1, got 2"),
     (["cascade", "record", "--cascade", "c", "--tiers", "a,b", "--batch", "0"],
      "argument --batch: must be >= 1, got 0"),
 ])

@@ -12,7 +12,6 @@ import asyncio
 from dataclasses import dataclass
 
 import httpx
-import pytest
 
 from sluice.operator.resources import DELETION_COST_ANNOTATION, DRAINING_ANNOTATION
 from sluice.worker.server import Worker, create_app

@@ -74,9 +74,9 @@ def test_rates_are_sorted_positive_numbers():
 
 @pytest.mark.parametrize("extra, message", [
     (["--rates", "0,1"], "--rates must be positive"),
-    (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be > 0"),
-    (["--percentile", "120"], "--percentile must be in (0, 100]"),
-    (["--refine", "-1"], "--refine must be >= 0"),
+    (["--slo-ttft-ms", "0"], "argument --slo-ttft-ms: must be finite and > 0 milliseconds, got 0"),
+    (["--percentile", "120"], "argument --percentile: must be finite and > 0 and <= 100, got 120"),
+    (["--refine", "-1"], "argument --refine: must be >= 0, got -1"),
     ([], "no server at"),  # nothing listens on the port
 ])
 def test_bad_input_is_one_line_and_exit_2(extra, message):

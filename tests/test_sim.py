@@ -18,7 +18,7 @@ from sluice.sim import profile, report
 from sluice.sim import trace as traces
 from sluice.sim.oracle import Schedule, attainment, oracle
 from sluice.sim.policies import Context, Tick, make, parse
-from sluice.sim.replica import EngineLimits, Replica
+from sluice.sim.replica import Replica
 from sluice.sim.simulator import SimConfig, Simulator
 
 TRACES = "/work/shared/traces"
@@ -251,13 +251,7 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     (["--policy", "kubeai:min=-1"], "knob min of 'kubeai:min=-1' must be ≥ 0, got -1"),
     (["--policy", "static:replicas=1.5"], "knob replicas of 'static:replicas=1.5' is a count"),
     (["--policy", "static:replicas=0"], "knob replicas of 'static:replicas=0' must be > 0"),
-    (["--candidates", "-1"], "--candidates must be ≥ 0 (0: all), got -1"),
-    (["--boot-time", "-5"], "--boot-time must be ≥ 0, got -5"),
-    (["--boot-jitter", "1"], "--boot-jitter must be in [0, 1), got 1"),
-    (["--max-replicas", "0"], "--max-replicas must be ≥ 1, got 0"),
-    (["--oracle-step", "0"], "--oracle-step must be > 0, got 0"),
-    (["--limit", "0"], "--limit must be ≥ 1, got 0"),
-    (["--scale-requests", "0"], "--scale-requests must be ≥ 1, got 0"),
+    (["--policy", "kpa", "--policy", "kpa:"], "--policy kpa: is given twice"),
     (["--output", "/nonexistent/sim.json"], "--output /nonexistent/sim.json: its directory "
      "does not exist"),
     (["--output", "/proc/sim.json"], "--output /proc/sim.json: cannot write it"),
@@ -276,6 +270,27 @@ def test_cli_refuses_bad_options_at_once_naming_them(tmp_path, capsys, args, mes
                  *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"sluice simulate: {message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--candidates", "-1"], "argument --candidates: must be >= 0, got -1"),
+    (["--boot-time", "-5"], "argument --boot-time: must be finite and >= 0 seconds, got -5"),
+    (["--boot-time", "nan"], "argument --boot-time: must be finite and >= 0 seconds, got nan"),
+    (["--boot-jitter", "1"], "argument --boot-jitter: must be finite and >= 0 and < 1, got 1"),
+    (["--max-replicas", "0"], "argument --max-replicas: must be >= 1, got 0"),
+    (["--oracle-step", "0"], "argument --oracle-step: must be finite and > 0 seconds, got 0"),
+    (["--limit", "0"], "argument --limit: must be >= 1, got 0"),
+    (["--scale-requests", "0"], "argument --scale-requests: must be >= 1, got 0"),
+    (["--attainment", "100.5"], "argument --attainment: must be finite and > 0 and <= 100, "
+     "got 100.5"),
+])
+def test_cli_refuses_bad_numbers_when_parsing(capsys, args, message):
+    """The numbers are checked by their flags' types: one line naming the flag, exit 2."""
+    with pytest.raises(SystemExit) as exited:
+        main(["simulate", "--trace", "t.csv", *args])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == \
+        f"sluice simulate: error: {message} (see sluice simulate --help)\n"
 
 
 def test_the_clis_routing_choices_are_the_simulated_routers():

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import math
 import sys
 
 from rich.console import Console
 
+from sluice.argtypes import (count, json_object, number, percent, positive, positive_count,
+                             positive_milliseconds, positive_seconds)
 from sluice.bench import report, schedule, workload
 from sluice.bench.runner import LoadConfig, run as run_load
 
@@ -36,18 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: --model in the model store)")
 
     g = parser.add_argument_group("load")
-    g.add_argument("--concurrency", type=int, help="closed loop: requests in flight (default "
+    g.add_argument("--concurrency", type=positive_count, help="closed loop: requests in flight (default "
                    "1); with --rate or --trace: a cap on requests in flight")
-    g.add_argument("--rate", type=float, help="open loop: mean arrivals per second")
+    g.add_argument("--rate", type=positive, help="open loop: mean arrivals per second")
     g.add_argument("--arrival", choices=("poisson", "bursty"), default="poisson",
                    help="open-loop gaps: exponential, or gamma with --burstiness")
-    g.add_argument("--burstiness", type=float, help="gamma shape of the gaps (1 = Poisson, "
+    g.add_argument("--burstiness", type=positive, help="gamma shape of the gaps (1 = Poisson, "
                    f"< 1 burstier; gap CV = 1/sqrt(shape)); bursty default {schedule.BURSTY_DEFAULT}")
-    g.add_argument("--num-requests", type=int, help="measured requests (default: the whole "
+    g.add_argument("--num-requests", type=positive_count, help="measured requests (default: the whole "
                    f"dataset/trace, else {DEFAULT_NUM_REQUESTS} unless --duration is given)")
-    g.add_argument("--duration", type=float, help="stop issuing requests after this many "
+    g.add_argument("--duration", type=positive_seconds, help="stop issuing requests after this many "
                    "seconds (in-flight ones finish and count)")
-    g.add_argument("--warmup", type=int, default=1, help="unmeasured requests first (32 in, "
+    g.add_argument("--warmup", type=count, default=1, help="unmeasured requests first (32 in, "
                    "8 out tokens)")
     g.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths, arrivals")
 
@@ -55,36 +55,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", default="128", help="input tokens: N, fixed:N, uniform:LO:HI "
                    "or normal:MEAN:STD")
     g.add_argument("--output-len", default="64", help="output tokens (max_tokens), same forms")
-    g.add_argument("--prefix-groups", type=int, default=0, help="G tenants: request i starts "
+    g.add_argument("--prefix-groups", type=count, default=0, help="G tenants: request i starts "
                    "with group i%%G's shared prefix")
-    g.add_argument("--prefix-tokens", type=int, default=0, help="P: shared prefix tokens; a "
+    g.add_argument("--prefix-tokens", type=count, default=0, help="P: shared prefix tokens; a "
                    "prompt is then P shared + --input-len own tokens")
     g.add_argument("--dataset", help='JSONL file, one {"prompt": ..., "max_tokens": ...} a '
                    "line (no max_tokens: the first number of --output-len)")
     g.add_argument("--trace", help="replay a trace: Azure 2023 CSV or Mooncake JSONL (lengths "
                    "and arrival times)")
-    g.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival "
+    g.add_argument("--time-scale", type=positive, default=1.0, help="multiply trace arrival "
                    "times (0.1 = ten times the rate)")
-    g.add_argument("--max-input-tokens", type=int, help="clamp trace input lengths")
-    g.add_argument("--max-output-tokens", type=int, help="clamp trace output lengths")
+    g.add_argument("--max-input-tokens", type=positive_count, help="clamp trace input lengths")
+    g.add_argument("--max-output-tokens", type=positive_count, help="clamp trace output lengths")
 
     g = parser.add_argument_group("requests")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so outputs are exactly max_tokens long")
-    g.add_argument("--temperature", type=float, help="sampling temperature (server default)")
-    g.add_argument("--extra-body", help='JSON merged into every request, e.g. \'{"min_tokens": 64}\'')
-    g.add_argument("--connect-timeout", type=float, default=10.0, help="seconds")
-    g.add_argument("--read-timeout", type=float, default=300.0,
+    g.add_argument("--temperature", type=number(), help="sampling temperature (server default)")
+    g.add_argument("--extra-body", type=json_object, help='JSON merged into every request, e.g. \'{"min_tokens": 64}\'')
+    g.add_argument("--connect-timeout", type=positive_seconds, default=10.0, help="seconds")
+    g.add_argument("--read-timeout", type=positive_seconds, default=300.0,
                    help="seconds to the first byte and between chunks")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--request-timeout", type=positive_seconds, default=600.0, help="seconds per request")
 
     g = parser.add_argument_group("report")
-    g.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT objective")
-    g.add_argument("--slo-itl-ms", type=float, help="goodput: ITL objective, checked on each "
+    g.add_argument("--slo-ttft-ms", type=positive_milliseconds, help="goodput: TTFT objective")
+    g.add_argument("--slo-itl-ms", type=positive_milliseconds, help="goodput: ITL objective, checked on each "
                    "request's --slo-itl-percentile of its own gaps")
-    g.add_argument("--slo-itl-percentile", type=float, default=90.0, help="default 90")
-    g.add_argument("--cost-per-hour", type=float, help="price of one replica-hour")
-    g.add_argument("--replicas", type=int, default=1, help="replicas behind --url (for cost)")
+    g.add_argument("--slo-itl-percentile", type=percent, default=90.0, help="default 90")
+    g.add_argument("--cost-per-hour", type=number(), help="price of one replica-hour")
+    g.add_argument("--replicas", type=positive_count, default=1, help="replicas behind --url (for cost)")
     g.add_argument("--output", help="write summary + per-request records as JSON")
     g.add_argument("--plot", metavar="DIR", help="write PNG histograms and latency over time")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -124,30 +124,6 @@ def _workload(args, tok: workload.Tokenizer):
     return specs, arrivals, args.rate is not None, n
 
 
-def _check_ranges(args: argparse.Namespace) -> None:
-    """Each numeric flag within its range (a negative --duration once ran to the end of
-    the requests, a negative --time-scale replayed a trace backwards); raises ValueError
-    naming the first one that is not."""
-    checks = [("--duration", args.duration, "> 0", lambda v: v > 0),
-              ("--time-scale", args.time_scale, "> 0", lambda v: v > 0),
-              ("--burstiness", args.burstiness, "> 0", lambda v: v > 0),
-              ("--warmup", args.warmup, ">= 0", lambda v: v >= 0),
-              ("--connect-timeout", args.connect_timeout, "> 0", lambda v: v > 0),
-              ("--read-timeout", args.read_timeout, "> 0", lambda v: v > 0),
-              ("--request-timeout", args.request_timeout, "> 0", lambda v: v > 0),
-              ("--slo-ttft-ms", args.slo_ttft_ms, "> 0", lambda v: v > 0),
-              ("--slo-itl-ms", args.slo_itl_ms, "> 0", lambda v: v > 0),
-              ("--slo-itl-percentile", args.slo_itl_percentile, "in (0, 100]",
-               lambda v: 0 < v <= 100),
-              ("--cost-per-hour", args.cost_per_hour, ">= 0", lambda v: v >= 0),
-              ("--replicas", args.replicas, ">= 1", lambda v: v >= 1),
-              ("--max-input-tokens", args.max_input_tokens, ">= 1", lambda v: v >= 1),
-              ("--max-output-tokens", args.max_output_tokens, ">= 1", lambda v: v >= 1)]
-    for flag, value, wanted, ok in checks:
-        if value is not None and not (math.isfinite(value) and ok(value)):
-            raise ValueError(f"{flag} must be {wanted}, got {value:g}")
-
-
 def _cycle(items):
     while True:
         yield from items
@@ -161,15 +137,6 @@ def _take(it, n):
 def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
     try:
-        if (args.concurrency is not None and args.concurrency < 1) or (args.rate is not None
-                                                                       and args.rate <= 0):
-            raise ValueError("--concurrency and --rate must be positive")
-        if args.num_requests is not None and args.num_requests < 1:
-            raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
-        _check_ranges(args)
-        extra = json.loads(args.extra_body) if args.extra_body else None
-        if extra is not None and not isinstance(extra, dict):
-            raise ValueError("--extra-body must be a JSON object")
         tok = workload.Tokenizer(workload.resolve_tokenizer(args.tokenizer, args.model))
         specs, arrivals, open_loop, n = _workload(args, tok)
         warmup = list(_take(workload.synthetic(workload.PromptBuilder(tok),
@@ -183,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         url=args.url, model=args.model, endpoint=args.endpoint,
         concurrency=args.concurrency if open_loop else (args.concurrency or 1),
         open_loop=open_loop, num_requests=n, duration_s=args.duration,
-        ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=extra,
+        ignore_eos=args.ignore_eos, temperature=args.temperature, extra_body=args.extra_body,
         connect_timeout_s=args.connect_timeout, read_timeout_s=args.read_timeout,
         request_timeout_s=args.request_timeout)
     result = _run_with_progress(cfg, specs, tok, arrivals, warmup, n, args.quiet)

@@ -45,6 +45,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
+from sluice.argtypes import count, percent, positive_count, positive_milliseconds, positive_seconds
 from sluice.bench import report, schedule, steps as step_profile, workload
 from sluice.bench.client import RequestRecord
 from sluice.bench.runner import LoadConfig, run as run_load
@@ -61,14 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(with --steps: a store name or converted model folder)")
     parser.add_argument("--tokenizer", help="tokenizer.json, a model folder or a model-store "
                         "name (default: --model in the model store)")
-    parser.add_argument("--slo-ttft-ms", type=float,
+    parser.add_argument("--slo-ttft-ms", type=positive_milliseconds,
                         help="TTFT objective (ms); required without --steps")
-    parser.add_argument("--slo-itl-ms", type=float, help="ITL objective (ms): a request's "
+    parser.add_argument("--slo-itl-ms", type=positive_milliseconds, help="ITL objective (ms): a request's "
                         "mean inter-token gap; required without --steps")
-    parser.add_argument("--percentile", type=float, default=95.0,
+    parser.add_argument("--percentile", type=percent, default=95.0,
                         help="the objectives hold at this percentile of requests (default 95)")
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=64,
+    parser.add_argument("--input-len", type=positive_count, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=positive_count, default=64,
                         help="output tokens per request (exact: ignore_eos)")
     parser.add_argument("--lengths-from", metavar="TRACE",
                         help="draw each request's input and output lengths from a row of this "
@@ -83,16 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", default=DEFAULT_RATES,
                         help=f"comma-separated request rates (req/s), tried in increasing order "
                         f"(default {DEFAULT_RATES})")
-    parser.add_argument("--refine", type=int, default=2,
+    parser.add_argument("--refine", type=count, default=2,
                         help="after the first rate that misses, this many bisection steps "
                         "between it and the capacity so far (default 2: the listed rates are "
                         "coarse, e.g. 0.25 met and 0.5 missed)")
-    parser.add_argument("--duration", type=float, default=30.0,
+    parser.add_argument("--duration", type=positive_seconds, default=30.0,
                         help="seconds of arrivals per rate (default 30)")
-    parser.add_argument("--min-requests", type=int, default=10,
+    parser.add_argument("--min-requests", type=positive_count, default=10,
                         help="at least this many requests per rate: a low rate's step runs "
                         "longer than --duration (default 10)")
-    parser.add_argument("--request-timeout", type=float, default=120.0,
+    parser.add_argument("--request-timeout", type=positive_seconds, default=120.0,
                         help="seconds per request; a request past it fails (default 120)")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals")
     parser.add_argument("--output", help="write the profile as JSON")
@@ -206,19 +207,8 @@ def _check(args: argparse.Namespace) -> list[float]:
     if None in (args.url, args.slo_ttft_ms, args.slo_itl_ms):
         raise ValueError("--url, --slo-ttft-ms and --slo-itl-ms are required (or --steps)")
     rates = parse_rates(args.rates)
-    for name in ("slo_ttft_ms", "slo_itl_ms", "duration", "request_timeout"):
-        value = getattr(args, name)
-        if not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value:g}")
     if args.arrivals == "trace" and not args.lengths_from:
         raise ValueError("--arrivals trace replays the --lengths-from trace: pass one")
-    if not 0 < args.percentile <= 100:
-        raise ValueError(f"--percentile must be in (0, 100], got {args.percentile:g}")
-    if args.refine < 0:
-        raise ValueError(f"--refine must be >= 0, got {args.refine}")
-    for name in ("input_len", "output_len", "min_requests"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return rates
 
 

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from sluice.argtypes import positive_count, positive_seconds
+from sluice.argtypes import number, positive_count, positive_seconds
 from sluice.cascade.policy import SIGNALS
 
 
@@ -37,11 +37,7 @@ def _costs(text: str) -> list[float]:
     return costs
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not within [0, 1]")
-    return value
+_fraction = number(maximum=1.0)  # a quantile, a share of requests
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

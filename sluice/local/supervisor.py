@@ -220,11 +220,11 @@ def plan(services: list[InferenceService], args: argparse.Namespace, workers_fil
         if alone and serving[0].spec.autoscaling.enabled else None
     most = max(sum(counts), policy.max_replicas if policy else 0)
     pools = []
-    for service, count in zip(serving, counts):
+    for service, replicas in zip(serving, counts):
         env = {"OMP_NUM_THREADS": str(worker_threads(service, most))}
         pool = Pool(service, worker_arguments(service, resolve(service)), env,
                     "" if alone else f"{service.metadata.name}-")
-        pool.workers = [pool.worker(i, args.log_level) for i in range(count)]
+        pool.workers = [pool.worker(i, args.log_level) for i in range(replicas)]
         pools.append(pool)
     router_args = router_arguments(serving[0])
     if policy is not None:

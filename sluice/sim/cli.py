@@ -19,6 +19,9 @@ import sys
 import time
 from pathlib import Path
 
+from sluice.argtypes import (count, fraction, milliseconds, percent, positive, positive_count,
+                             positive_milliseconds, positive_seconds, seconds)
+
 logger = logging.getLogger(__name__)
 
 ALL = ("static", "sluice", "kubeai", "kpa", "keda", "dynamo", "dynamo-reactive")
@@ -39,34 +42,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run each chosen policy over its main knob")
     parser.add_argument("--profile", help="step profile JSON (sluice profile --steps; "
                         "default: the one file in sluice/sim/profiles/)")
-    parser.add_argument("--scale-requests", type=int, default=1, metavar="K",
+    parser.add_argument("--scale-requests", type=positive_count, default=1, metavar="K",
                         help="each request K times, copies within 1 s (time is not compressed)")
-    parser.add_argument("--limit", type=int, help="only the trace's first N requests")
-    parser.add_argument("--boot-time", type=float, default=30.0, metavar="S",
+    parser.add_argument("--limit", type=positive_count, help="only the trace's first N requests")
+    parser.add_argument("--boot-time", type=seconds, default=30.0, metavar="S",
                         help="mean seconds from start to ready (default 30)")
-    parser.add_argument("--boot-jitter", type=float, default=0.2,
+    parser.add_argument("--boot-jitter", type=fraction, default=0.2,
                         help="boot time spread: uniform ×[1-j, 1+j] (default 0.2)")
-    parser.add_argument("--max-replicas", type=int, default=1000)
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    parser.add_argument("--slo-itl-ms", type=float, default=200.0,
+    parser.add_argument("--max-replicas", type=positive_count, default=1000)
+    parser.add_argument("--slo-ttft-ms", type=positive_milliseconds, default=2000.0)
+    parser.add_argument("--slo-itl-ms", type=milliseconds, default=200.0,
                         help="objective on a request's mean inter-token gap (0: none)")
-    parser.add_argument("--attainment", type=float, default=99.0,
+    parser.add_argument("--attainment", type=percent, default=99.0,
                         help="percent of requests that must meet the SLO (sizing target)")
     parser.add_argument("--routing", default="slo", choices=ROUTING,
                         help="slo (default, as in the router) | least-load | round-robin; "
                         "least-load is about 4x faster to simulate. (The slo policy's former "
                         "five-feature TTFT model diverged here: "
                         "bench/results/sim_rls_divergence.json; its drain-rate model does not)")
-    parser.add_argument("--candidates", type=int, default=4,
+    parser.add_argument("--candidates", type=count, default=4,
                         help="endpoints sampled per request (power of d; 0: all)")
-    parser.add_argument("--hold-s", type=float, default=120.0,
+    parser.add_argument("--hold-s", type=seconds, default=120.0,
                         help="seconds a request waits for a ready replica before refused")
-    parser.add_argument("--capacity-rps", type=float,
+    parser.add_argument("--capacity-rps", type=positive,
                         help="one replica's rate at the SLO (skip calibration; the "
                         "full-utilisation rate is then taken as 1.25× it)")
-    parser.add_argument("--oracle-step", type=float, default=10.0,
+    parser.add_argument("--oracle-step", type=positive_seconds, default=10.0,
                         help="seconds per interval of the oracle's schedule")
-    parser.add_argument("--oracle-passes", type=int, default=5,
+    parser.add_argument("--oracle-passes", type=positive_count, default=5,
                         help="replays refining the oracle where it missed (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write the figures as JSON here (timelines: the "
@@ -77,28 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refuse out-of-range options before anything runs.
+    """Refuse an unusable --output before anything runs (the numbers are checked by their
+    argparse types).
 
     Raises:
         ValueError: the first bad option, named.
     """
-    bad = [("--boot-time", args.boot_time, args.boot_time < 0, "≥ 0"),
-           ("--boot-jitter", args.boot_jitter, not 0 <= args.boot_jitter < 1, "in [0, 1)"),
-           ("--max-replicas", args.max_replicas, args.max_replicas < 1, "≥ 1"),
-           ("--slo-ttft-ms", args.slo_ttft_ms, args.slo_ttft_ms <= 0, "> 0"),
-           ("--slo-itl-ms", args.slo_itl_ms, args.slo_itl_ms < 0, "≥ 0 (0: none)"),
-           ("--attainment", args.attainment, not 0 < args.attainment <= 100, "in (0, 100]"),
-           ("--candidates", args.candidates, args.candidates < 0, "≥ 0 (0: all)"),
-           ("--hold-s", args.hold_s, args.hold_s < 0, "≥ 0"),
-           ("--capacity-rps", args.capacity_rps,
-            args.capacity_rps is not None and args.capacity_rps <= 0, "> 0"),
-           ("--oracle-step", args.oracle_step, args.oracle_step <= 0, "> 0"),
-           ("--oracle-passes", args.oracle_passes, args.oracle_passes < 1, "≥ 1"),
-           ("--scale-requests", args.scale_requests, args.scale_requests < 1, "≥ 1"),
-           ("--limit", args.limit, args.limit is not None and args.limit < 1, "≥ 1")]
-    for flag, value, wrong, want in bad:
-        if wrong:
-            raise ValueError(f"{flag} must be {want}, got {value:g}")
     if args.output is not None:
         if not Path(args.output).parent.is_dir():
             raise ValueError(f"--output {args.output}: its directory does not exist")
@@ -154,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         check(args)
         specs = [policies.parse(s) for s in args.policy or ALL]
+        for i, spec in enumerate(specs):  # two rows of one name in the table and the JSON
+            if spec in specs[:i]:
+                raise ValueError(f"--policy {args.policy[i]} is given twice")
         probe = policies.Context(1.0, 1.0, args.boot_time, args.max_replicas, peak=1)
         for name, knobs in specs:  # a knob the policy does not take, before the long part
             if name != "oracle":

@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from sluice.api import openai as oa
 from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
-from sluice.argtypes import port
+from sluice.argtypes import port, positive, positive_count, positive_seconds
 from sluice.logs import quiet_probe_access_logs
 from sluice.models import store
 from sluice.worker.engine.config import EngineConfig
@@ -74,18 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="name clients use (default: the folder name)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     parser.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
-    parser.add_argument("--max-model-len", type=int,
+    parser.add_argument("--max-model-len", type=positive_count,
                         help="context length in tokens (default: the model's, capped at 8192)")
-    parser.add_argument("--block-size", type=int, default=defaults["block_size"],
+    parser.add_argument("--block-size", type=positive_count, default=defaults["block_size"],
                         help="tokens per KV-cache block (default: %(default)s)")
-    parser.add_argument("--kv-cache-gib", type=float, default=defaults["kv_cache_gib"],
+    parser.add_argument("--kv-cache-gib", type=positive, default=defaults["kv_cache_gib"],
                         help="KV-cache memory budget in GiB (default: %(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults["max_num_seqs"],
+    parser.add_argument("--max-num-seqs", type=positive_count, default=defaults["max_num_seqs"],
                         help="most sequences per step (default: %(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int,
+    parser.add_argument("--max-num-batched-tokens", type=positive_count,
                         default=defaults["max_num_batched_tokens"],
                         help="token budget per step (default: %(default)s)")
-    parser.add_argument("--long-prefill-token-threshold", type=int,
+    parser.add_argument("--long-prefill-token-threshold", type=positive_count,
                         help="most prompt tokens of one request per step at an empty context, "
                              "fewer as its context grows (default: a sixteenth of "
                              "--max-num-batched-tokens)")
@@ -101,10 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="draft model for --speculative-method draft: store name or folder")
     parser.add_argument("--speculative-quantization", dest="speculative_model_quantization",
                         choices=("int8",), help="int8 weights for the draft model (default: none)")
-    parser.add_argument("--speculative-num-tokens", dest="num_speculative_tokens", type=int,
+    parser.add_argument("--speculative-num-tokens", dest="num_speculative_tokens", type=positive_count,
                         default=defaults["num_speculative_tokens"],
                         help="draft tokens verified per step (default: %(default)s)")
-    parser.add_argument("--max-sequences-per-request", type=int,
+    parser.add_argument("--max-sequences-per-request", type=positive_count,
                         default=defaults["max_sequences_per_request"],
                         help="most engine requests (prompts x n) one API request may fan out "
                              "into; 400 beyond (default: %(default)s)")
@@ -116,27 +116,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("native", "vllm"), default="native",
                         help="native: Sluice's engine; vllm: vLLM's AsyncLLM, installed by "
                              "`make vllm` in .venv-vllm (default: %(default)s)")
-    parser.add_argument("--max-body-bytes", type=_positive_int, default=MAX_BODY_BYTES,
+    parser.add_argument("--max-body-bytes", type=positive_count, default=MAX_BODY_BYTES,
                         help="largest request body accepted; beyond it: 413, found while "
                              "reading (default: %(default)s)")
-    parser.add_argument("--engine-stall-timeout", type=_positive_float, default=STALL_TIMEOUT_S,
+    parser.add_argument("--engine-stall-timeout", type=positive_seconds, default=STALL_TIMEOUT_S,
                         help="seconds without engine progress, while it has requests, after "
                              "which /health and /livez answer 503 engine_stalled "
                              "(default: %(default)s)")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
