@@ -211,3 +211,18 @@ def test_boot_bench(tmp_path):
     row = result["conditions"][name]
     assert name == "quiet" and len(row["fresh"]["boots_s"]) == len(row["forked"]["boots_s"]) == 1
     assert row["speedup"] == row["fresh"]["median_s"] / row["forked"]["median_s"]
+
+
+@pytest.mark.slow
+def test_gpu_bench_dry_run_on_the_cpu(tmp_path, model_path):
+    """bench/gpu.py's own logic (a GPU is what it is for; none here): seeded random weights
+    in the model's shape, the engine equal to HF in float32, every token counted."""
+    result = run_bench("gpu.py", "--device", "cpu", "--model", str(model_path),
+                       "--random-weights", "--prompts", "3", "--concurrency", "2",
+                       "--output-len", "4", out=tmp_path / "gpu.json")
+    fp32, bf16 = result["equality"]
+    assert (fp32["dtype"], fp32["equal_alone"], fp32["equal_batched"]) == ("float32", 3, 3)
+    assert fp32["differ_beyond_ties"] == [] and bf16["prompts"] == 3
+    (row,) = result["throughput"]
+    assert (row["native_tokens"], row["hf_tokens"]) == (8, 8)
+    assert result["random_weights"] is True and result["gpu"] is None
