@@ -67,6 +67,20 @@ def test_idle_goes_to_zero_after_idle_seconds_only_with_scale_to_zero():
     assert {d.replicas for d in decisions} == {1}
 
 
+def test_only_idle_seconds_take_a_service_to_zero():
+    """idleSeconds longer than the scale-down window: the last replica stays until the
+    service has been idle for idleSeconds (before, consolidation took it to 0 once the
+    scale-down window had passed: after 60 s, not 600)."""
+    config = Config(min_replicas=0, max_replicas=3, scale_to_zero=True, capacity_rps=2.0,
+                    idle_s=600.0, scale_down_window_s=60.0)
+    decisions = run(config, State.initial(1, config, 0.0), [steady(0, 1)] * 130)
+    replicas = [d.replicas for d in decisions]
+    assert replicas.index(0) == 119 and decisions[119].reason == "idle"  # at t = 600 s
+    assert set(replicas[:119]) == {1}
+    two = run(config, State.initial(2, config, 0.0), [steady(0, 2)] * 20)
+    assert two[-1].replicas == 1 and two[-1].reason == "steady"  # consolidated to 1, not 0
+
+
 def test_never_below_one_while_requests_are_in_flight():
     config = Config(min_replicas=0, max_replicas=3, scale_to_zero=True, capacity_rps=2.0,
                     idle_s=0.0, scale_down_window_s=0.0)

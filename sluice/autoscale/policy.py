@@ -286,7 +286,12 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
         safe = math.ceil(max(level, forecast) / (capacity * (1 - config.down_margin)) - 1e-9)
         raw = max(raw, min(safe, state.replicas))
         reason = "consolidate"
-    floor = config.min_replicas if not obs.pending else max(1, config.min_replicas)
+    if reason == "idle":
+        floor = 0
+    elif state.replicas or active:  # 0 comes only from idleSeconds without demand
+        floor = max(1, config.min_replicas)
+    else:  # at 0 with nothing arriving: stay
+        floor = config.min_replicas
     bounded = min(max(raw, floor), config.max_replicas)
     if bounded < raw:
         reason = "bounds"  # capped at maxReplicas
