@@ -33,7 +33,6 @@ differ on it too), 1 otherwise, 2 without a CUDA device.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -49,6 +48,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_engine import MAX_TOKENS, PROMPTS  # noqa: E402  (the engine tests' prompts)
 
+from sluice.argtypes import positive_count, whole  # noqa: E402
+from sluice.cli import Parser  # noqa: E402
 from sluice.worker.engine import EngineConfig, SamplingParams  # noqa: E402
 from sluice.worker.engine.llm_engine import LLMEngine  # noqa: E402
 
@@ -164,18 +165,25 @@ def throughput(model_dir: Path, concurrency: int, input_len: int, output_len: in
             "native_over_hf": round((tokens / native_s) / (hf_tokens / hf_s), 2)}
 
 
+def _levels(text: str) -> list[int]:
+    """``"1,64"`` → [1, 64]: concurrency levels, each a whole number ≥ 1."""
+    return [positive_count(part) for part in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="bench/gpu.py", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(Path.home() / ".cache/sluice/models/"
                                                 "SmolLM2-135M-Instruct"),
                         help="a converted model folder (default: the store's SmolLM2)")
     parser.add_argument("--random-weights", action="store_true",
                         help="the folder's config and tokenizer, seeded random weights")
-    parser.add_argument("--concurrency", default="1,64,256", help="comma-separated C values")
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    parser.add_argument("--concurrency", type=_levels, default="1,64,256",
+                        help="comma-separated C values")
+    parser.add_argument("--output-len", type=positive_count, default=128,
+                        help="output tokens per request")
     parser.add_argument("--device", default="cuda", help="cuda (cpu: a slow dry run of the "
                         "script itself)")
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS),
+    parser.add_argument("--prompts", type=whole(1), default=len(PROMPTS),
                         help="the first N of the engine tests' prompts")
     parser.add_argument("--out", default=str(ROOT / "bench/results/gpu.json"))
     args = parser.parse_args(argv)
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['equal_batched']}/{row['prompts']} batched; HF CPU vs GPU differ on "
                   f"{row['hf_cpu_vs_gpu_differ']}; beyond those: {row['differ_beyond_ties']}",
                   flush=True)
-        for c in (int(x) for x in args.concurrency.split(",")):
+        for c in args.concurrency:
             row = throughput(model_dir, c, 128, args.output_len, args.device)
             result["throughput"].append(row)
             print(f"C={c}: native {row['native_tok_s']} tok/s, HF generate {row['hf_tok_s']} "

@@ -91,6 +91,8 @@ CASES = [
      {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("messages-image", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages"),
+    ("messages-text-part-without-text", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
     ("top_logprobs-without-logprobs", "/v1/chat/completions",
      {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
     ("top_logprobs-too-many", "/v1/chat/completions",
@@ -132,6 +134,14 @@ def test_bad_field_is_400_naming_it(worker_url, path, body, param, streamed):
     if streamed and "stream" not in body:
         body["stream"] = True  # must fail before the stream starts: a status, not SSE
     assert_error(post(worker_url, path, body), 400, param)
+
+
+def test_a_text_part_without_text_is_told_so(worker_url):
+    """Found by a break-it pass: it said "content part type 'text' is not supported; only
+    text parts are"."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
+    err = assert_error(post(worker_url, "/v1/chat/completions", body), 400, "messages")
+    assert err["message"] == "a content part of type 'text' needs a 'text' string"
 
 
 @pytest.mark.parametrize("max_tokens", [None, 10], ids=["no-max_tokens", "max_tokens"])

@@ -21,7 +21,7 @@ from sluice import cli
     (["router", "--max-queue", "-1"], "argument --max-queue: must be >= 0, got -1"),
     (["router", "--max-queue", "2.5"], "argument --max-queue: not a whole number: '2.5'"),
     (["router", "--queue-timeout", "-1"],
-     "argument --queue-timeout: must be finite and >= 0 seconds, got -1"),
+     "argument --queue-timeout: must be finite and > 0 seconds, got -1"),
     (["router", "--poll-interval", "0"],
      "argument --poll-interval: must be finite and > 0 seconds, got 0"),
     (["router", "--first-byte-timeout", "-1"],
@@ -39,7 +39,13 @@ from sluice import cli
     (["operator", "--watch-timeout", "0"], "argument --watch-timeout: must be >= 1, got 0"),
     (["operator", "--resync-seconds", "nan"],
      "argument --resync-seconds: must be finite and > 0 seconds, got nan"),
-    (["worker", "--kv-cache-gib", "nan"], "argument --kv-cache-gib: must be finite and > 0, got nan"),
+    (["worker", "--kv-cache-gib", "nan"],
+     "argument --kv-cache-gib: must be finite and > 0 and <= 4096 GiB, got nan"),
+    (["worker", "--kv-cache-gib", "1e308"],  # was an OverflowError after the server started
+     "argument --kv-cache-gib: must be finite and > 0 and <= 4096 GiB, got 1e308"),
+    (["worker", "--device", "bogus"], "argument --device: must be cpu, cuda or cuda:N, got 'bogus'"),
+    (["router", "--queue-timeout", "0"],  # was a traceback from the admission queue
+     "argument --queue-timeout: must be finite and > 0 seconds, got 0"),
     (["worker", "--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
     (["worker", "--max-num-seqs", "-4"], "argument --max-num-seqs: must be >= 1, got -4"),
     (["cascade", "calibrate", "--records", "r", "--tiers", "a,b", "--quantile", "2"],

@@ -111,6 +111,10 @@ def test_initial_replicas_follow_the_autoscaling_bounds(caplog):
     assert initial_replicas(zero, None) == 0
     with pytest.raises(ValueError, match="nothing would serve"):
         initial_replicas(parse_manifest(manifest()), 0)
+    # a break-it pass ran --replicas 100000: workers forked until the machine stalled
+    with pytest.raises(ValueError, match="100000 replicas: sluice up runs at most 64 workers"):
+        initial_replicas(parse_manifest(manifest()), 100000)
+    assert initial_replicas(parse_manifest(manifest()), 64) == 64
 
 
 # ------------------------------------------------------------------ several InferenceServices

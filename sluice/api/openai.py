@@ -229,9 +229,12 @@ class ChatMessage(_Lenient):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise APIError(400, f"content part type {part.type!r} is not supported; "
                                     "only text parts are", param="messages")
+            if part.text is None:
+                raise APIError(400, "a content part of type 'text' needs a 'text' string",
+                               param="messages")
         return "".join(part.text for part in self.content)
 
 

@@ -16,8 +16,8 @@ import sys
 
 from rich.console import Console
 
-from sluice.argtypes import (count, json_object, number, percent, positive, positive_count,
-                             positive_milliseconds, positive_seconds)
+from sluice.argtypes import (count, http_url, json_object, number, percent, positive,
+                             positive_count, positive_milliseconds, positive_seconds)
 from sluice.bench import report, schedule, workload
 from sluice.bench.runner import LoadConfig, run as run_load
 
@@ -28,7 +28,7 @@ DEFAULT_NUM_REQUESTS = 50  # synthetic workload with neither --num-requests nor 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("target")
-    g.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    g.add_argument("--url", type=http_url, required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     g.add_argument("--model", required=True, help="model name sent in each request")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions (prompt) or /v1/chat/completions (one user message)")
@@ -52,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths, arrivals")
 
     g = parser.add_argument_group("prompts (synthetic by default)")
-    g.add_argument("--input-len", default="128", help="input tokens: N, fixed:N, uniform:LO:HI "
+    g.add_argument("--input-len", type=_lengths, default="128", help="input tokens: N, fixed:N, uniform:LO:HI "
                    "or normal:MEAN:STD")
-    g.add_argument("--output-len", default="64", help="output tokens (max_tokens), same forms")
+    g.add_argument("--output-len", type=_lengths, default="64", help="output tokens (max_tokens), same forms")
     g.add_argument("--prefix-groups", type=count, default=0, help="G tenants: request i starts "
                    "with group i%%G's shared prefix")
     g.add_argument("--prefix-tokens", type=count, default=0, help="P: shared prefix tokens; a "
@@ -90,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _lengths(text: str) -> workload.LengthDist:
+    """--input-len/--output-len: a length distribution (``workload.LengthDist.parse``)."""
+    try:
+        return workload.LengthDist.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _workload(args, tok: workload.Tokenizer):
     """(specs, arrivals, open_loop, num_requests) from the arguments. Raises ValueError."""
     builder = workload.PromptBuilder(tok)
@@ -105,12 +113,12 @@ def _workload(args, tok: workload.Tokenizer):
         return list(_take(specs, n)), None, True, n
     if args.dataset:
         items = workload.from_jsonl(args.dataset, tok, default_max_tokens=
-                                    workload.LengthDist.parse(args.output_len).a)
+                                    args.output_len.a)
         n = args.num_requests or (None if args.duration else len(items))
         specs = iter(items) if n is not None and n <= len(items) else _cycle(items)
     else:
-        specs = workload.synthetic(builder, workload.LengthDist.parse(args.input_len),
-                                   workload.LengthDist.parse(args.output_len), args.seed,
+        specs = workload.synthetic(builder, args.input_len,
+                                   args.output_len, args.seed,
                                    args.prefix_groups, args.prefix_tokens)
         n = args.num_requests or (None if args.duration else DEFAULT_NUM_REQUESTS)
     arrivals = None
@@ -162,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
     Console().print(report.table(summary, title=f"sluice bench: {args.model} @ {args.url} "
                                                 f"({mode})"))
     if args.output:
-        report.write_json(args.output, vars(args), summary, records, result.started_at)
+        config = {k: v.text if isinstance(v, workload.LengthDist) else v
+                  for k, v in vars(args).items()}
+        report.write_json(args.output, config, summary, records, result.started_at)
         print(f"wrote {args.output}")
     if args.plot:
         for path in report.plot(args.plot, records):

@@ -13,6 +13,7 @@ import csv
 import itertools
 import json
 import logging
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from sluice.bench.corpus import SONNETS
 logger = logging.getLogger(__name__)
 
 MOONCAKE_BLOCK_TOKENS = 512  # the Mooncake traces' hash_ids block size
+MAX_LENGTH_TOKENS = 1_000_000  # a synthetic prompt or output longer than any context
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,11 @@ class LengthDist:
     a: int
     b: float = 0.0
 
+    @property
+    def text(self) -> str:
+        """The distribution as ``parse`` reads it."""
+        return f"{self.kind}:{self.a}" + ("" if self.kind == "fixed" else f":{self.b:g}")
+
     @classmethod
     def parse(cls, text: str) -> LengthDist:
         parts = text.split(":")
@@ -116,8 +123,11 @@ class LengthDist:
         except ValueError:
             raise ValueError(f"bad length distribution {text!r}: use N, fixed:N, "
                              "uniform:LO:HI or normal:MEAN:STD") from None
-        if dist.a < 1 or (dist.kind == "uniform" and dist.b < dist.a) or dist.b < 0:
+        if dist.a < 1 or (dist.kind == "uniform" and dist.b < dist.a) or not dist.b >= 0:
             raise ValueError(f"bad length distribution {text!r}: lengths must be ≥ 1")
+        if max(dist.a, dist.b) > MAX_LENGTH_TOKENS or not math.isfinite(dist.b):
+            raise ValueError(f"bad length distribution {text!r}: lengths must be at most "
+                             f"{MAX_LENGTH_TOKENS:,} tokens")
         return dist
 
     def sample(self, rng: random.Random) -> int:

@@ -260,18 +260,24 @@ def _autoscaler(up: Plan, supervisor: Supervisor, args: argparse.Namespace
     return lambda: scaler.tick(poll)
 
 
+MAX_LOCAL_WORKERS = 64  # --replicas 100000 forked workers until the machine stalled
+
+
 def initial_replicas(service: InferenceService, override: int | None) -> int:
     """Workers to start: ``--replicas`` or ``spec.replicas``; with autoscaling, clamped to
     its bounds (0 only with ``scaleToZero``).
 
     Raises:
-        ValueError: 0 replicas without scale-to-zero (nothing would serve), or a negative
-            override.
+        ValueError: 0 replicas without scale-to-zero (nothing would serve), a negative
+            override, or more than ``MAX_LOCAL_WORKERS``.
     """
     spec = service.spec
     if override is not None and override < 0:
         raise ValueError(f"--replicas must be >= 0, got {override}")
     replicas = spec.replicas if override is None else override
+    if replicas > MAX_LOCAL_WORKERS:
+        raise ValueError(f"{replicas} replicas: sluice up runs at most {MAX_LOCAL_WORKERS} "
+                         "workers of a service on one machine")
     if spec.autoscaling.enabled:
         policy = Config.from_spec(spec)
         bounded = min(max(replicas, policy.min_replicas), policy.max_replicas)

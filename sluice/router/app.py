@@ -512,7 +512,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=count, default=defaults.max_queue,
                         help="requests that may wait per model when no worker is predicted to "
                         "meet their TTFT objective; beyond it: 429 (default: %(default)s)")
-    parser.add_argument("--queue-timeout", type=seconds, default=defaults.queue_timeout,
+    parser.add_argument("--queue-timeout", type=positive_seconds, default=defaults.queue_timeout,
                         help="seconds a request may wait in the queue before 429 "
                         "(default: %(default)s)")
     parser.add_argument("--hold-timeout", type=seconds, default=defaults.hold_s,

@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from sluice.api import openai as oa
 from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
-from sluice.argtypes import port, positive, positive_count, positive_seconds
+from sluice.argtypes import number, port, positive_count, positive_seconds
 from sluice.logs import quiet_probe_access_logs
 from sluice.models import store
 from sluice.worker.engine.config import EngineConfig
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length in tokens (default: the model's, capped at 8192)")
     parser.add_argument("--block-size", type=positive_count, default=defaults["block_size"],
                         help="tokens per KV-cache block (default: %(default)s)")
-    parser.add_argument("--kv-cache-gib", type=positive, default=defaults["kv_cache_gib"],
+    parser.add_argument("--kv-cache-gib", type=number("GiB", strict=True, maximum=MAX_KV_CACHE_GIB), default=defaults["kv_cache_gib"],
                         help="KV-cache memory budget in GiB (default: %(default)s)")
     parser.add_argument("--max-num-seqs", type=positive_count, default=defaults["max_num_seqs"],
                         help="most sequences per step (default: %(default)s)")
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=defaults["dtype"],
                         choices=("float32", "bfloat16", "float16"),
                         help="weights and activations dtype (default: %(default)s)")
-    parser.add_argument("--device", default=defaults["device"],
+    parser.add_argument("--device", type=_device, default=defaults["device"],
                         help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--engine", choices=("native", "vllm"), default="native",
                         help="native: Sluice's engine; vllm: vLLM's AsyncLLM, installed by "
@@ -123,6 +123,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds without engine progress, while it has requests, after "
                              "which /health and /livez answer 503 engine_stalled "
                              "(default: %(default)s)")
+
+
+MAX_KV_CACHE_GIB = 4096.0  # beyond any accelerator's memory (1e308 overflowed the block count)
+
+
+def _device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N`` (torch's device strings the engine runs on)."""
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (kind == "cuda" and index.isdigit())):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
