@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 
@@ -91,3 +92,32 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text}")
     return value
+
+
+def output_file(text: str) -> str:
+    """A file this process can write, checked now rather than after a run of minutes (a
+    folder, /proc, a read-only file system); its directory must exist. Nothing is left
+    behind by the check."""
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: its directory does not exist")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot write it ({exc.strerror})") from None
+    return text
+
+
+def output_dir(text: str) -> str:
+    """A directory to write files into: one that exists, or one that can be made (its
+    parent exists and it is not a file)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: not a directory")
+    if not path.exists() and not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: its parent directory does not exist")
+    return text

@@ -354,6 +354,10 @@ def test_bad_arguments_exit_2(model_path):
     (["--output-len", "10000000000"], "argument --output-len: bad length distribution "
      "'10000000000': lengths must be at most 1,000,000 tokens"),  # memory grew until killed
     (["--url", "notaurl"], "argument --url: not an http(s) URL with a host: 'notaurl'"),
+    (["--output", "/tmp"], "argument --output: /tmp: cannot write it (Is a directory)"),
+    (["--output", "/nonexistent/x.json"],  # was made as root, after the run
+     "argument --output: /nonexistent/x.json: its directory does not exist"),
+    (["--plot", "/etc/hostname"], "argument --plot: /etc/hostname: not a directory"),
     (["--extra-body", "[1]"], "argument --extra-body: must be a JSON object {...}, got [1]"),
     (["--extra-body", "{min_tokens: 4}"], "argument --extra-body: not JSON (Expecting property "
      "name enclosed in double quotes: line 1 column 2 (char 1)): '{min_tokens: 4}'"),

@@ -252,10 +252,6 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     (["--policy", "static:replicas=1.5"], "knob replicas of 'static:replicas=1.5' is a count"),
     (["--policy", "static:replicas=0"], "knob replicas of 'static:replicas=0' must be > 0"),
     (["--policy", "kpa", "--policy", "kpa:"], "--policy kpa: is given twice"),
-    (["--output", "/nonexistent/sim.json"], "--output /nonexistent/sim.json: its directory "
-     "does not exist"),
-    (["--output", "/proc/sim.json"], "--output /proc/sim.json: cannot write it"),
-    (["--output", "/tmp"], "--output /tmp: cannot write it"),
     (["--policy", "sluice:tick=1e-6"], "knob tick of sluice must be >= 0.1 s, got 1e-06"),
     (["--policy", "sluice:down=3,down=4"],
      "knob down of 'sluice:down=3,down=4' is given twice"),
@@ -283,8 +279,14 @@ def test_cli_refuses_bad_options_at_once_naming_them(tmp_path, capsys, args, mes
     (["--scale-requests", "0"], "argument --scale-requests: must be >= 1, got 0"),
     (["--attainment", "100.5"], "argument --attainment: must be finite and > 0 and <= 100, "
      "got 100.5"),
+    (["--output", "/nonexistent/sim.json"],
+     "argument --output: /nonexistent/sim.json: its directory does not exist"),
+    (["--output", "/tmp"], "argument --output: /tmp: cannot write it (Is a directory)"),
+    (["--plot", "/nonexistent/plots"],
+     "argument --plot: /nonexistent/plots: its parent directory does not exist"),
+    (["--plot", "/etc/hostname"], "argument --plot: /etc/hostname: not a directory"),
 ])
-def test_cli_refuses_bad_numbers_when_parsing(capsys, args, message):
+def test_cli_refuses_bad_numbers_and_paths_when_parsing(capsys, args, message):
     """The numbers are checked by their flags' types: one line naming the flag, exit 2."""
     with pytest.raises(SystemExit) as exited:
         main(["simulate", "--trace", "t.csv", *args])

@@ -16,8 +16,9 @@ import sys
 
 from rich.console import Console
 
-from sluice.argtypes import (count, http_url, json_object, number, percent, positive,
-                             positive_count, positive_milliseconds, positive_seconds)
+from sluice.argtypes import (count, http_url, json_object, number, output_dir, output_file,
+                             percent, positive, positive_count, positive_milliseconds,
+                             positive_seconds)
 from sluice.bench import report, schedule, workload
 from sluice.bench.runner import LoadConfig, run as run_load
 
@@ -85,8 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-itl-percentile", type=percent, default=90.0, help="default 90")
     g.add_argument("--cost-per-hour", type=number(), help="price of one replica-hour")
     g.add_argument("--replicas", type=positive_count, default=1, help="replicas behind --url (for cost)")
-    g.add_argument("--output", help="write summary + per-request records as JSON")
-    g.add_argument("--plot", metavar="DIR", help="write PNG histograms and latency over time")
+    g.add_argument("--output", type=output_file, help="write summary + per-request records as JSON")
+    g.add_argument("--plot", type=output_dir, metavar="DIR", help="write PNG histograms and latency over time")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

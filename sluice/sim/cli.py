@@ -19,8 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from sluice.argtypes import (count, fraction, milliseconds, percent, positive, positive_count,
-                             positive_milliseconds, positive_seconds, seconds)
+from sluice.argtypes import (count, fraction, milliseconds, output_dir, output_file, percent,
+                             positive, positive_count, positive_milliseconds, positive_seconds,
+                             seconds)
 
 logger = logging.getLogger(__name__)
 
@@ -72,34 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle-passes", type=positive_count, default=5,
                         help="replays refining the oracle where it missed (default 5)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="write the figures as JSON here (timelines: the "
+    parser.add_argument("--output", type=output_file,
+                        help="write the figures as JSON here (timelines: the "
                         "oracle and the asked-for runs, not the swept ones)")
-    parser.add_argument("--plot", help="write PNG plots into this directory "
+    parser.add_argument("--plot", type=output_dir,
+                        help="write PNG plots into this directory "
                         "(sim_<trace>_x<K>_boot<S>_attainment.png, …_timeline.png)")
     parser.add_argument("--no-progress", action="store_true")
-
-
-def check(args: argparse.Namespace) -> None:
-    """Refuse an unusable --output before anything runs (the numbers are checked by their
-    argparse types).
-
-    Raises:
-        ValueError: the first bad option, named.
-    """
-    if args.output is not None:
-        if not Path(args.output).parent.is_dir():
-            raise ValueError(f"--output {args.output}: its directory does not exist")
-        existed = Path(args.output).exists()
-        try:  # now, not after a run of minutes: a folder, /proc, a read-only file system
-            with open(args.output, "a"):
-                pass
-            if not existed:
-                Path(args.output).unlink()
-        except OSError as exc:
-            raise ValueError(f"--output {args.output}: cannot write it "
-                             f"({exc.strerror})") from None
-    if args.plot is not None and not Path(args.plot).is_dir():
-        raise ValueError(f"--plot {args.plot}: no such directory")
 
 
 def plan(specs: list[tuple[str, dict[str, float]]], sweep: bool,
@@ -139,7 +119,6 @@ def run(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     try:
-        check(args)
         specs = [policies.parse(s) for s in args.policy or ALL]
         for i, spec in enumerate(specs):  # two rows of one name in the table and the JSON
             if spec in specs[:i]:
