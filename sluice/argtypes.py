@@ -22,6 +22,13 @@ def port(text: str) -> int:
     return value
 
 
+def nonblank(text: str) -> str:
+    """A non-blank name (a model name clients send)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def http_url(text: str) -> str:
     """An ``http://`` or ``https://`` URL with a host, without a trailing slash."""
     parts = urlsplit(text.strip())

@@ -324,8 +324,13 @@ def test_unreachable_server_is_recorded_per_request(tmp_path, model_path):
     assert [r["error_code"] for r in data["records"]] == ["ConnectError"] * 3
 
 
-def test_bad_arguments_exit_2(model_path):
+def test_bad_arguments_exit_2(model_path, tmp_path, capsys):
     assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--model", "not-in-store"]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("nope")  # was a traceback from the tokenizers library
+    assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--model", "m", "--tokenizer",
+                     str(bad)]) == 2
+    assert f"sluice bench: {bad}: not a readable tokenizer.json (" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -43,6 +43,7 @@ from sluice import cli
      "argument --kv-cache-gib: must be finite and > 0 and <= 4096 GiB, got nan"),
     (["worker", "--kv-cache-gib", "1e308"],  # was an OverflowError after the server started
      "argument --kv-cache-gib: must be finite and > 0 and <= 4096 GiB, got 1e308"),
+    (["worker", "--served-model-name="], "argument --served-model-name: must not be empty"),
     (["worker", "--device", "bogus"], "argument --device: must be cpu, cuda or cuda:N, got 'bogus'"),
     (["router", "--queue-timeout", "0"],  # was a traceback from the admission queue
      "argument --queue-timeout: must be finite and > 0 seconds, got 0"),

@@ -570,6 +570,14 @@ def test_a_changed_key_file_is_used_without_a_restart(tmp_path):
         assert post(url, KEY_A).status_code == 401
 
 
+def test_a_key_file_that_is_not_text_is_a_key_file_error(tmp_path):
+    """Found by a break-it pass: a binary --api-keys file died in a UnicodeDecodeError."""
+    path = tmp_path / "keys.bin"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(KeyFileError, match="not UTF-8 text"):
+        KeyRing(str(path), 0.0)
+
+
 def test_a_router_with_a_bad_key_file_does_not_start(tmp_path):
     path = tmp_path / "keys.yaml"
     path.write_text("tenants: [{name: a, keys: [k], rpm: -1}]")

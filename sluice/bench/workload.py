@@ -49,13 +49,20 @@ class RequestSpec:
 
 
 class Tokenizer:
-    """The model's tokenizer from its ``tokenizer.json`` (no special tokens on encode)."""
+    """The model's tokenizer from its ``tokenizer.json`` (no special tokens on encode).
+
+    Raises:
+        ValueError: ``path`` is not a readable tokenizer.json.
+    """
 
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer as _HFTokenizer
 
         self.path = Path(path)
-        self._tk = _HFTokenizer.from_file(str(self.path))
+        try:
+            self._tk = _HFTokenizer.from_file(str(self.path))
+        except Exception as exc:  # the tokenizers library raises bare Exceptions
+            raise ValueError(f"{path}: not a readable tokenizer.json ({exc})") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tk.encode(text, add_special_tokens=False).ids

@@ -170,8 +170,11 @@ class KeyRing:
         return stat.st_ino, stat.st_size, stat.st_mtime_ns
 
     def _load(self) -> tuple[dict[str, Tenant], dict[bytes, str]]:
-        with open(self.path, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError:
+            raise KeyFileError("not UTF-8 text") from None
         try:
             data = yaml.safe_load(text)  # JSON is YAML
         except yaml.YAMLError as exc:

@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also run each chosen policy over its main knob")
     parser.add_argument("--profile", help="step profile JSON (sluice profile --steps; "
-                        "default: the one file in sluice/sim/profiles/)")
+                        "default: the file in sluice/sim/profiles/ when it holds one; it "
+                        "holds SmolLM2's and Qwen 0.5B's, so pass one)")
     parser.add_argument("--scale-requests", type=positive_count, default=1, metavar="K",
                         help="each request K times, copies within 1 s (time is not compressed)")
     parser.add_argument("--limit", type=positive_count, help="only the trace's first N requests")

@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from sluice.api import openai as oa
 from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
-from sluice.argtypes import number, port, positive_count, positive_seconds
+from sluice.argtypes import nonblank, number, port, positive_count, positive_seconds
 from sluice.logs import quiet_probe_access_logs
 from sluice.models import store
 from sluice.worker.engine.config import EngineConfig
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=store.DEFAULT_MODEL,
                         help="store name (see `sluice models list`) or a converted model folder "
                              "(default: %(default)s)")
-    parser.add_argument("--served-model-name", help="name clients use (default: the folder name)")
+    parser.add_argument("--served-model-name", type=nonblank, help="name clients use (default: the folder name)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     parser.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
     parser.add_argument("--max-model-len", type=positive_count,
