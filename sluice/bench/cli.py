@@ -29,7 +29,8 @@ DEFAULT_NUM_REQUESTS = 50  # synthetic workload with neither --num-requests nor 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("target")
-    g.add_argument("--url", type=http_url, required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    g.add_argument("--url", type=http_url, required=True,
+                   help="server base URL, e.g. http://127.0.0.1:8000")
     g.add_argument("--model", required=True, help="model name sent in each request")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions (prompt) or /v1/chat/completions (one user message)")
@@ -37,25 +38,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: --model in the model store)")
 
     g = parser.add_argument_group("load")
-    g.add_argument("--concurrency", type=positive_count, help="closed loop: requests in flight (default "
+    g.add_argument("--concurrency", type=positive_count,
+                   help="closed loop: requests in flight (default "
                    "1); with --rate or --trace: a cap on requests in flight")
     g.add_argument("--rate", type=positive, help="open loop: mean arrivals per second")
     g.add_argument("--arrival", choices=("poisson", "bursty"), default="poisson",
                    help="open-loop gaps: exponential, or gamma with --burstiness")
     g.add_argument("--burstiness", type=positive, help="gamma shape of the gaps (1 = Poisson, "
                    f"< 1 burstier; gap CV = 1/sqrt(shape)); bursty default {schedule.BURSTY_DEFAULT}")
-    g.add_argument("--num-requests", type=positive_count, help="measured requests (default: the whole "
+    g.add_argument("--num-requests", type=positive_count,
+                   help="measured requests (default: the whole "
                    f"dataset/trace, else {DEFAULT_NUM_REQUESTS} unless --duration is given)")
-    g.add_argument("--duration", type=positive_seconds, help="stop issuing requests after this many "
+    g.add_argument("--duration", type=positive_seconds,
+                   help="stop issuing requests after this many "
                    "seconds (in-flight ones finish and count)")
     g.add_argument("--warmup", type=count, default=1, help="unmeasured requests first (32 in, "
                    "8 out tokens)")
     g.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths, arrivals")
 
     g = parser.add_argument_group("prompts (synthetic by default)")
-    g.add_argument("--input-len", type=_lengths, default="128", help="input tokens: N, fixed:N, uniform:LO:HI "
+    g.add_argument("--input-len", type=_lengths, default="128",
+                   help="input tokens: N, fixed:N, uniform:LO:HI "
                    "or normal:MEAN:STD")
-    g.add_argument("--output-len", type=_lengths, default="64", help="output tokens (max_tokens), same forms")
+    g.add_argument("--output-len", type=_lengths, default="64",
+                   help="output tokens (max_tokens), same forms")
     g.add_argument("--prefix-groups", type=count, default=0, help="G tenants: request i starts "
                    "with group i%%G's shared prefix")
     g.add_argument("--prefix-tokens", type=count, default=0, help="P: shared prefix tokens; a "
@@ -73,21 +79,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so outputs are exactly max_tokens long")
     g.add_argument("--temperature", type=number(), help="sampling temperature (server default)")
-    g.add_argument("--extra-body", type=json_object, help='JSON merged into every request, e.g. \'{"min_tokens": 64}\'')
+    g.add_argument("--extra-body", type=json_object,
+                   help='JSON merged into every request, e.g. \'{"min_tokens": 64}\'')
     g.add_argument("--connect-timeout", type=positive_seconds, default=10.0, help="seconds")
     g.add_argument("--read-timeout", type=positive_seconds, default=300.0,
                    help="seconds to the first byte and between chunks")
-    g.add_argument("--request-timeout", type=positive_seconds, default=600.0, help="seconds per request")
+    g.add_argument("--request-timeout", type=positive_seconds, default=600.0,
+                   help="seconds per request")
 
     g = parser.add_argument_group("report")
     g.add_argument("--slo-ttft-ms", type=positive_milliseconds, help="goodput: TTFT objective")
-    g.add_argument("--slo-itl-ms", type=positive_milliseconds, help="goodput: ITL objective, checked on each "
+    g.add_argument("--slo-itl-ms", type=positive_milliseconds,
+                   help="goodput: ITL objective, checked on each "
                    "request's --slo-itl-percentile of its own gaps")
     g.add_argument("--slo-itl-percentile", type=percent, default=90.0, help="default 90")
     g.add_argument("--cost-per-hour", type=number(), help="price of one replica-hour")
-    g.add_argument("--replicas", type=positive_count, default=1, help="replicas behind --url (for cost)")
+    g.add_argument("--replicas", type=positive_count, default=1,
+                   help="replicas behind --url (for cost)")
     g.add_argument("--output", type=output_file, help="write summary + per-request records as JSON")
-    g.add_argument("--plot", type=output_dir, metavar="DIR", help="write PNG histograms and latency over time")
+    g.add_argument("--plot", type=output_dir, metavar="DIR",
+                   help="write PNG histograms and latency over time")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

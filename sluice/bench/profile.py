@@ -64,11 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "name (default: --model in the model store)")
     parser.add_argument("--slo-ttft-ms", type=positive_milliseconds,
                         help="TTFT objective (ms); required without --steps")
-    parser.add_argument("--slo-itl-ms", type=positive_milliseconds, help="ITL objective (ms): a request's "
+    parser.add_argument("--slo-itl-ms", type=positive_milliseconds,
+                        help="ITL objective (ms): a request's "
                         "mean inter-token gap; required without --steps")
     parser.add_argument("--percentile", type=percent, default=95.0,
                         help="the objectives hold at this percentile of requests (default 95)")
-    parser.add_argument("--input-len", type=positive_count, default=128, help="prompt tokens per request")
+    parser.add_argument("--input-len", type=positive_count, default=128,
+                        help="prompt tokens per request")
     parser.add_argument("--output-len", type=positive_count, default=64,
                         help="output tokens per request (exact: ignore_eos)")
     parser.add_argument("--lengths-from", metavar="TRACE",

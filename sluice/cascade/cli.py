@@ -53,8 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rec.add_argument("--sample", type=positive_count, default=None,
                      help="items (default: arithmetic 100, humaneval 164, mix 164 + 164)")
     rec.add_argument("--seed", type=int, default=0)
-    rec.add_argument("--steps", type=positive_count, default=4, help="arithmetic: operations per problem")
-    rec.add_argument("--max-value", type=positive_count, default=100, help="arithmetic: number size")
+    rec.add_argument("--steps", type=positive_count, default=4,
+                     help="arithmetic: operations per problem")
+    rec.add_argument("--max-value", type=positive_count, default=100,
+                     help="arithmetic: number size")
     rec.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per answer")
     rec.add_argument("--max-tokens", type=positive_count, default=None,
                      help="completion tokens per answer, every kind (default: 384 for "
