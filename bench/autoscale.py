@@ -39,7 +39,14 @@ the last completion:
   [DONE], or fewer tokens than asked with ignore_eos).
 
 Targets (issue 9): the autoscaler within 1 point of static-2's attainment (both objectives)
-at <= 70 % of its replica-seconds, with 0 failed or truncated requests.
+at <= 70 % of its replica-seconds, with 0 failed or truncated requests. Static-2 serves
+the cut's quiet stretches with ~100 % attainment, so the SLO the autoscaler is given is
+p``--slo-percentile`` (99): it plans to meet the objectives for 99 % of requests, the
+profile measures one worker's capacity at that tail, and bench/autoscale_sim.py sizes at
+the same 99 %. (At p95 the policy is asked to let 1 request in 20 miss, and does: one
+worker held at 0.8x its p95 capacity missed 2 of 19 requests by 6-9 % in the 2026-12-04
+run, which static-2 served; in the simulator p95 sizing meets the target on 2 of
+bench/autoscale_sim.py's 6 cuts, p99 on 5.)
 
     .venv/bin/python bench/autoscale.py [--capacity-rps X] [--tiny]
 
@@ -616,6 +623,10 @@ def main() -> int:
                         help="TTFT objective (ms; the example manifest's is 1000)")
     parser.add_argument("--slo-itl-ms", type=float, default=300.0,
                         help="ITL objective (ms; the example manifest's is 200)")
+    parser.add_argument("--slo-percentile", type=float, default=99.0,
+                        help="the percentile of requests the objectives hold at: the profile "
+                        "measures capacity there and the autoscaler targets it (default "
+                        "%(default)g; the example manifest's is 95)")
     parser.add_argument("--capacity-rps", type=float, default=None,
                         help="skip the profile and use this capacityRPS")
     parser.add_argument("--profile-rates", default="0.25,0.5,0.75,1,1.25,1.5,2")
@@ -647,7 +658,8 @@ def main() -> int:
         scaling = TINY["scaling"]
 
     base = yaml.safe_load(EXAMPLE.read_text())
-    slo = {**base["spec"]["slo"], "ttftMs": args.slo_ttft_ms, "itlMs": args.slo_itl_ms}
+    slo = {**base["spec"]["slo"], "ttftMs": args.slo_ttft_ms, "itlMs": args.slo_itl_ms,
+           "percentile": args.slo_percentile}
     cut = Cut(args.trace, args.start, args.span, args.keep, args.time_scale or 1.0,
               args.input_scale, args.max_input, args.max_output, args.seed)
     trace = workload.read_trace(args.trace)

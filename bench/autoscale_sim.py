@@ -57,6 +57,7 @@ def run_cut(cut: Cut, args: argparse.Namespace, workdir: Path) -> dict:
     argv = ["--log-level", "WARNING", "simulate", "--trace", str(trace), "--profile",
             str(args.profile), "--boot-time", str(args.boot_s), "--max-replicas", "2",
             "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-itl-ms", str(args.slo_itl_ms),
+            "--attainment", str(args.attainment),
             "--no-progress", "--oracle-passes", "1", "--output", str(output)]
     for policy in list(POLICIES.values())[1:]:  # the simulator runs the oracle anyway
         argv += ["--policy", policy.format(down=args.scale_down_s, tick=args.tick_s)]
@@ -87,6 +88,9 @@ def main() -> int:
     parser.add_argument("--boot-s", type=float, default=SCALING["bootSeconds"])
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=300.0)
+    parser.add_argument("--attainment", type=float, default=99.0,
+                        help="percent of requests that must meet the SLO: the percentile "
+                        "one replica's capacity is calibrated at (default %(default)g)")
     parser.add_argument("--scale-down-s", type=float,
                         default=SCALING["scaleDownStabilizationSeconds"],
                         help="Sluice's scale-down window (default: the benchmark manifest's)")
