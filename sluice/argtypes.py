@@ -71,16 +71,17 @@ fraction = number(maximum=1.0, below=True)  # a spread, [0, 1)
 percent = number(strict=True, maximum=100.0)  # a percentile, an attainment target, (0, 100]
 
 
-def whole(minimum: int = 0) -> Callable[[str], int]:
-    """An argparse type for a whole number ≥ ``minimum``."""
+def whole(minimum: int = 0, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type for a whole number ≥ ``minimum`` (and ≤ ``maximum``)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f">= {minimum}" + (f" and <= {maximum:,}" if maximum is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
 
     return parse
@@ -93,12 +94,17 @@ positive_count = whole(1)  # a size, a number of characters
 def json_object(text: str) -> dict:
     """A JSON object (``{...}``), e.g. fields merged into every request."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text}")
     return value
+
+
+def _no_constant(name: str) -> None:
+    """NaN and Infinity are not JSON (Python's json reads them; servers refuse them)."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def output_file(text: str) -> str:

@@ -124,6 +124,20 @@ CASES = [
      {"prompt": "hi", "stop_token_ids": [1] * 257}, "stop_token_ids"),
     ("stop_token_ids-beyond-int32", "/v1/chat/completions",
      {"messages": MSGS, "stop_token_ids": [2**40]}, "stop_token_ids"),
+    # fields that were accepted and ignored: applied (min_tokens) or refused, never ignored
+    ("min_tokens-negative", "/v1/completions", {"prompt": "hi", "min_tokens": -1},
+     "min_tokens"),
+    ("min_tokens-over-max_tokens", "/v1/chat/completions",
+     {"messages": MSGS, "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ("best_of-over-n", "/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("response_format-number", "/v1/chat/completions", {"messages": MSGS, "response_format": 5},
+     "response_format"),
+    ("response_format-json", "/v1/chat/completions",
+     {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ("tools", "/v1/chat/completions", {"messages": MSGS, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("tool_choice-required", "/v1/chat/completions", {"messages": MSGS, "tool_choice": "required"},
+     "tool_choice"),
 ]
 
 
@@ -526,6 +540,15 @@ def test_unsupported_logit_bias_and_infinite_temperature_are_400(worker_url):
              % MODEL.encode(), headers={"content-type": "application/json"})
     assert "finite number" in assert_error(r, 400, "top_p")["message"]
     assert post(worker_url, "/v1/completions", {**body, "logit_bias": {}}).status_code == 200
+
+
+def test_the_no_op_forms_of_refused_fields_are_accepted(worker_url):
+    """What the refused fields' defaults look like (clients send them): served."""
+    assert post(worker_url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                                                "best_of": 2, "n": 2}).status_code == 200
+    assert post(worker_url, "/v1/chat/completions", {
+        "model": MODEL, "messages": MSGS, "max_tokens": 1, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"}}).status_code == 200
 
 
 def test_unknown_routes_and_methods_get_openai_errors(worker_url):

@@ -324,6 +324,20 @@ def test_unreachable_server_is_recorded_per_request(tmp_path, model_path):
     assert [r["error_code"] for r in data["records"]] == ["ConnectError"] * 3
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--time-scale", "0.5"], "--time-scale applies to --trace replays only"),
+    (["--max-input-tokens", "64"], "--max-input-tokens applies to --trace replays only"),
+    (["--max-output-tokens", "8"], "--max-output-tokens applies to --trace replays only"),
+    (["--burstiness", "0.5"], "--burstiness shapes open-loop arrivals: it needs --rate"),
+    (["--arrival", "bursty"], "--arrival shapes open-loop arrivals: it needs --rate"),
+])
+def test_flags_that_would_be_ignored_exit_2(model_path, capsys, args, message):
+    """Found by a fresh user: these were silently ignored without --trace or --rate."""
+    assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--model", store.DEFAULT_MODEL,
+                     "--tokenizer", str(model_path), *args]) == 2
+    assert capsys.readouterr().err == f"sluice bench: {message}\n"
+
+
 def test_bad_arguments_exit_2(model_path, tmp_path, capsys):
     assert cli.main(["bench", "--url", "http://127.0.0.1:1", "--model", "not-in-store"]) == 2
     bad = tmp_path / "bad.jsonl"
@@ -341,7 +355,11 @@ def test_bad_arguments_exit_2(model_path, tmp_path, capsys):
     (["--time-scale", "nan"], "argument --time-scale: must be finite and > 0, got nan"),
     (["--rate", "nan"], "argument --rate: must be finite and > 0, got nan"),  # was a traceback
     (["--rate", "0"], "argument --rate: must be finite and > 0, got 0"),
-    (["--concurrency", "0"], "argument --concurrency: must be >= 1, got 0"),
+    (["--concurrency", "0"], "argument --concurrency: must be >= 1 and <= 100,000, got 0"),
+    (["--concurrency", "100000000"],  # each a task and a connection: memory grew
+     "argument --concurrency: must be >= 1 and <= 100,000, got 100000000"),
+    (["--extra-body", '{"a": NaN}'], "argument --extra-body: not JSON (NaN is not a JSON "
+     "value): '{\"a\": NaN}'"),
     (["--warmup", "-2"], "argument --warmup: must be >= 0, got -2"),
     (["--prefix-groups", "-1"], "argument --prefix-groups: must be >= 0, got -1"),  # was taken
     (["--temperature", "-1"], "argument --temperature: must be finite and >= 0, got -1"),

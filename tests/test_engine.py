@@ -140,6 +140,41 @@ def test_stop_string_inside_a_token(engine):
     assert "D" not in text and outs[-1].finish_reason == "stop"
 
 
+def test_min_tokens_masks_eos_as_hf_min_new_tokens(engine, hf_model):
+    """min_tokens: EOS cannot end the answer before it, token for token as HF's
+    MinNewTokensLengthLogitsProcessor (vLLM's MinTokensLogitsProcessor)."""
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? One word."}],
+        tokenize=False, add_generation_prompt=True)
+    ids = engine.tokenizer.encode(prompt)
+    eos = sorted(engine.eos_token_ids)
+    free = engine.generate([ids], greedy(max_tokens=40))[0]
+    assert len(free) < 20 and free[-1] in eos  # the answer ends well before min_tokens
+    got = engine.generate([ids], greedy(max_tokens=40, min_tokens=20))[0]
+    ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=20,
+                            do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+    assert got == ref[0, len(ids):].tolist()
+    assert len(got) >= 20 and not set(got[:20]) & set(eos)
+    assert_pool_idle(engine)
+
+
+def test_min_tokens_defers_stop_strings_and_stop_token_ids(engine):
+    ids = engine.tokenizer.encode("1, 2, 3, 4,")
+    six = engine.tokenizer.encode(" 6")[-1]
+    text = lambda outs: "".join(o.new_text for o in outs)  # noqa: E731
+    outs = _run(engine, ids, greedy(max_tokens=12, stop=["6"]))  # " ", "5", ",", " ", "6"
+    assert text(outs) == " 5, " and outs[-1].finish_reason == "stop"
+    outs = _run(engine, ids, greedy(max_tokens=12, stop=["6"], min_tokens=6))
+    assert text(outs) == " 5, 6, 7, 8," and outs[-1].finish_reason == "length"
+    outs = _run(engine, ids, greedy(max_tokens=12, stop_token_ids=[six], min_tokens=6))
+    out_ids = [t for o in outs for t in o.new_token_ids]
+    assert out_ids[4] != six and len(out_ids) >= 6  # masked: another token instead
+    assert len(out_ids) == 12 or (out_ids[-1] == six and outs[-1].finish_reason == "stop")
+    with pytest.raises(ValueError, match=r"min_tokens must be in \[0, max_tokens = 8\]"):
+        engine.check_request(ids, greedy(max_tokens=8, min_tokens=9))
+    assert_pool_idle(engine)
+
+
 def test_non_ascii_stream_never_splits_a_character(engine):
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write 你好世界 and a party emoji 🎉 three times."}],

@@ -207,6 +207,17 @@ def test_stop_token_ids_and_ignore_eos(worker_url):
     assert long["choices"][0]["finish_reason"] == "length"
 
 
+def test_min_tokens_is_applied(worker_url):
+    """min_tokens over HTTP (sluice bench's --extra-body example): a one-word answer ends in
+    a few tokens, not before min_tokens with it."""
+    body = {"messages": [{"role": "user", "content": "What is the capital of France? One "
+                          "word."}], "max_tokens": 40, "temperature": 0}
+    free = ok(worker_url, "/v1/chat/completions", body)
+    assert free["usage"]["completion_tokens"] < 20 and free["choices"][0]["finish_reason"] == "stop"
+    held = ok(worker_url, "/v1/chat/completions", {**body, "min_tokens": 20})
+    assert held["usage"]["completion_tokens"] >= 20
+
+
 # --------------------------------------------------------------------------- prompts, logprobs
 
 

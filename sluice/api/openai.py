@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 logger = logging.getLogger(__name__)
 
@@ -135,16 +136,27 @@ class _GenerationRequest(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool | None = False
+    min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # and <= max_tokens (engine)
     n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         if value:  # refuse rather than silently ignore a constraint the engine cannot apply
             raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (value or {"type": "text"}).get("type")
+        if kind != "text":  # JSON mode and schemas need guided decoding: refused, not ignored
+            raise ValueError(f"response_format type {kind!r} is not supported by this "
+                             "server (only 'text')")
         return value
 
     @field_validator("stop")
@@ -191,6 +203,16 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise ValueError(f"best_of {value} other than n = {n} is not supported by this "
+                             "server (nor by vLLM's V1 engine)")
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -244,6 +266,22 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:  # a tool call the client waits for would never come: refused
+            raise ValueError("tools (function calling) are not supported by this server")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value not in (None, "none"):
+            raise ValueError("tool_choice other than 'none' is not supported by this server")
+        return value
 
     def template_messages(self) -> list[dict]:
         """Messages as plain dicts for the tokenizer's chat template."""

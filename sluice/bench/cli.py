@@ -18,13 +18,16 @@ from rich.console import Console
 
 from sluice.argtypes import (count, http_url, json_object, number, output_dir, output_file,
                              percent, positive, positive_count, positive_milliseconds,
-                             positive_seconds)
+                             positive_seconds, whole)
 from sluice.bench import report, schedule, workload
 from sluice.bench.runner import LoadConfig, run as run_load
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_REQUESTS = 50  # synthetic workload with neither --num-requests nor --duration
+# Requests in flight at most: each is a task and a connection (10^8 grew memory until the
+# machine stalled); 100,000 is far beyond what one client process drives.
+MAX_CONCURRENCY = 100_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(default: --model in the model store)")
 
     g = parser.add_argument_group("load")
-    g.add_argument("--concurrency", type=positive_count,
+    g.add_argument("--concurrency", type=whole(1, MAX_CONCURRENCY),
                    help="closed loop: requests in flight (default "
                    "1); with --rate or --trace: a cap on requests in flight")
     g.add_argument("--rate", type=positive, help="open loop: mean arrivals per second")
@@ -70,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "line (no max_tokens: the first number of --output-len)")
     g.add_argument("--trace", help="replay a trace: Azure 2023 CSV or Mooncake JSONL (lengths "
                    "and arrival times)")
-    g.add_argument("--time-scale", type=positive, default=1.0, help="multiply trace arrival "
-                   "times (0.1 = ten times the rate)")
+    g.add_argument("--time-scale", type=positive, help="multiply trace arrival "
+                   "times (0.1 = ten times the rate; default 1)")
     g.add_argument("--max-input-tokens", type=positive_count, help="clamp trace input lengths")
     g.add_argument("--max-output-tokens", type=positive_count, help="clamp trace output lengths")
 
@@ -117,9 +120,10 @@ def _workload(args, tok: workload.Tokenizer):
         raise ValueError("give at most one of --dataset and --trace")
     if args.trace and args.rate:
         raise ValueError("--trace brings its own arrival times; scale them with --time-scale")
+    _check_applies(args)
     if args.trace:
         rows = workload.read_trace(args.trace)
-        specs = workload.from_trace(rows, builder, args.time_scale, args.seed,
+        specs = workload.from_trace(rows, builder, args.time_scale or 1.0, args.seed,
                                     args.max_input_tokens, args.max_output_tokens)
         n = min(args.num_requests or len(rows), len(rows))
         return list(_take(specs, n)), None, True, n
@@ -142,6 +146,18 @@ def _workload(args, tok: workload.Tokenizer):
     if n is not None:  # build the prompts before the clock starts
         specs = list(_take(specs, n))
     return specs, arrivals, args.rate is not None, n
+
+
+def _check_applies(args) -> None:
+    """Refuse a flag that would be silently ignored. Raises ValueError naming it."""
+    trace_only = {"--time-scale": args.time_scale, "--max-input-tokens": args.max_input_tokens,
+                  "--max-output-tokens": args.max_output_tokens}
+    given = [flag for flag, value in trace_only.items() if value is not None]
+    if given and not args.trace:
+        raise ValueError(f"{given[0]} applies to --trace replays only")
+    if not args.rate and (args.burstiness is not None or args.arrival != "poisson"):
+        flag = "--burstiness" if args.burstiness is not None else "--arrival"
+        raise ValueError(f"{flag} shapes open-loop arrivals: it needs --rate")
 
 
 def _cycle(items):

@@ -80,6 +80,7 @@ def _sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, max_t
         stop=req.stop_strings(),
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),
+        min_tokens=req.min_tokens or 0,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )

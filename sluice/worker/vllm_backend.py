@@ -111,6 +111,7 @@ def sampling_arguments(params: SamplingParams) -> dict[str, Any]:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
         skip_special_tokens=True,  # as the native detokenizer

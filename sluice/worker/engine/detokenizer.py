@@ -30,14 +30,16 @@ class IncrementalDetokenizer:
         self.text = ""
         self._sent = 0
 
-    def add(self, token_id: int) -> bool:
-        """Decode one more token. Returns True if the text now contains a stop string
-        (the text is then cut just before it)."""
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Decode one more token. Returns True if ``check_stop`` and the text now contains
+        a stop string (the text is then cut just before it)."""
         piece = self._stream.step(self._tokenizer, token_id)
         if not piece:
             return False
         start = max(self._sent, len(self.text) - self._max_stop + 1)
         self.text += piece
+        if not check_stop:
+            return False
         hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]

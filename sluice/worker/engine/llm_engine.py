@@ -209,6 +209,7 @@ class LLMEngine:
         self.proposer.propose(wanted)
 
     def _choose_tokens(self, logits: torch.Tensor, samplers, failed) -> dict[Sequence, list[int]]:
+        logits = self._mask_min_tokens(logits, samplers)
         chosen: dict[Sequence, list[int]] = {}
         plain = [(seq, row) for seq, row in samplers if not seq.spec_token_ids]
         if plain:
@@ -231,6 +232,26 @@ class LLMEngine:
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += len(chosen[seq]) - 1
         return chosen
+
+    def _mask_min_tokens(self, logits: torch.Tensor, samplers) -> torch.Tensor:
+        """``logits`` [rows, vocab] with EOS and ``stop_token_ids`` at -inf in the rows that
+        sample a sequence's output tokens 1..``min_tokens`` (vLLM's MinTokensLogitsProcessor;
+        a copy, so logprobs stay the model's own). A sequence's rows are its next token's,
+        then one per draft."""
+        masks, vocab = [], logits.shape[-1]
+        for seq, row in samplers:
+            p = seq.params
+            short = p.min_tokens - seq.num_output_tokens
+            if short > 0:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+                rows = min(short, len(seq.spec_token_ids) + 1)
+                masks += [(r, t) for r in range(row, row + rows) for t in ids if t < vocab]
+        if not masks:
+            return logits
+        rows, ids = zip(*masks)
+        masked = logits.clone()
+        masked[list(rows), list(ids)] = float("-inf")
+        return masked
 
     def _token_logprobs(self, logits, samplers, chosen, failed) -> dict[Sequence, list]:
         items = [(seq, row + i, t) for seq, row in samplers

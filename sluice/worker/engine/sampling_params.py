@@ -46,6 +46,9 @@ class SamplingParams:
         stop: strings that end generation; the matched string is not returned.
         stop_token_ids: token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS (for benchmarks).
+        min_tokens: output tokens before EOS, ``stop_token_ids`` or a stop string may end
+            generation (vLLM's ``min_tokens``: the sampler masks those ids until then, and
+            stop strings are looked for only in the text of later tokens).
         logprobs: if not None, return the chosen token's logprob and this many top alternatives.
         prompt_logprobs: if not None, also return logprobs of the prompt tokens (for echo).
     """
@@ -58,6 +61,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -98,6 +102,10 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidSamplingParams(f"seed must be in [-2^63, 2^64), got {self.seed}",
                                         "seed")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidSamplingParams(
+                f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got "
+                f"{self.min_tokens}", "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

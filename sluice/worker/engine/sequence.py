@@ -88,7 +88,8 @@ class Sequence:
         self.token_ids.append(token_id)
         if logprob is not None:
             self._pending_logprobs.append(logprob)
-        return self.detokenizer.add(token_id)
+        # as vLLM: a stop string counts only in the text of tokens past min_tokens
+        return self.detokenizer.add(token_id, self.num_output_tokens > self.params.min_tokens)
 
     def error_output(self) -> RequestOutput:
         """The last output of a sequence that failed (FINISHED_ERROR): no new tokens or
