@@ -282,6 +282,31 @@ def test_a_burst_without_a_queue_scales_within_one_tick():
                                                   rel=0.05)
 
 
+def test_two_requests_after_silence_start_a_replica_a_boot_early():
+    """bench/autoscale.py's p99 run: after 80 s of silence two requests 0.1 s apart, then
+    five in the next second 4 s later; no 0.5 s window held the three a burst needed, so one
+    worker took all seven and the third of the five missed its TTFT. Two arrivals within a
+    boot time against a level of nothing are a burst's onset: demand is their rate (1 req/s
+    over the 2 s boot) and a second replica starts at once. One lone request is not; nor
+    are two at a level that expects them."""
+    config = Config(min_replicas=1, max_replicas=2, capacity_rps=0.69, boot_s=2.0,
+                    scale_down_window_s=12.0)
+    quiet = [Observation(0.5, ready=1)] * 160  # 80 s
+    state = run(config, State.initial(1, config, 0.0), quiet, step=0.5)[-1].state
+    lone = recommend(Observation(0.5, arrivals=1, ready=1), state, config, 80.5)
+    assert (lone.replicas, lone.details["onset_rps"]) == (1, 0.0)
+    pair = recommend(Observation(0.5, arrivals=2, in_flight=2, ready=1), state, config, 80.5)
+    assert (pair.replicas, pair.reason) == (2, "burst")
+    assert pair.details["onset_rps"] == pytest.approx(2 / 2.0)  # 2 arrivals in the 2 s span
+    assert pair.state.level_rps < 0.69  # the level alone would have kept one replica
+    later = run(config, pair.state, [Observation(0.5, ready=2)] * 40, start=80.5, step=0.5)
+    assert later[-1].replicas == 1  # no burst followed: given back after the window
+    busy = [Observation(2.0, arrivals=1, ready=1)] * 30  # 0.5 req/s for a minute
+    state = run(config, State.initial(1, config, 0.0), busy, step=2.0)[-1].state
+    two = recommend(Observation(0.5, arrivals=2, ready=1), state, config, 60.5)
+    assert (two.replicas, two.details["onset_rps"]) == (1, 0.0)
+
+
 def test_poisson_noise_is_not_a_burst():
     """0.75 req/s arriving as 0, 3, 0, 3... per 2 s window: the level stays at the rate and
     one replica (capacity 1 req/s) suffices. Rising fast on every window above the level
