@@ -94,7 +94,7 @@ positive_count = whole(1)  # a size, a number of characters
 def json_object(text: str) -> dict:
     """A JSON object (``{...}``), e.g. fields merged into every request."""
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     if not isinstance(value, dict):
@@ -105,6 +105,14 @@ def json_object(text: str) -> dict:
 def _no_constant(name: str) -> None:
     """NaN and Infinity are not JSON (Python's json reads them; servers refuse them)."""
     raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    """A JSON number that is a finite float (1e999 would read as inf)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a number")
+    return value
 
 
 def output_file(text: str) -> str:

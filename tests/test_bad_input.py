@@ -130,6 +130,14 @@ CASES = [
     ("min_tokens-over-max_tokens", "/v1/chat/completions",
      {"messages": MSGS, "min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ("best_of-over-n", "/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("chat-best_of-over-n", "/v1/chat/completions", {"messages": MSGS, "best_of": 2},
+     "best_of"),
+    ("response_format-without-type", "/v1/chat/completions",
+     {"messages": MSGS, "response_format": {}}, "response_format"),
+    ("functions", "/v1/chat/completions", {"messages": MSGS, "functions": [
+        {"name": "f", "parameters": {}}]}, "functions"),
+    ("function_call-auto", "/v1/chat/completions", {"messages": MSGS, "function_call": "auto"},
+     "function_call"),
     ("response_format-number", "/v1/chat/completions", {"messages": MSGS, "response_format": 5},
      "response_format"),
     ("response_format-json", "/v1/chat/completions",
@@ -540,6 +548,13 @@ def test_unsupported_logit_bias_and_infinite_temperature_are_400(worker_url):
              % MODEL.encode(), headers={"content-type": "application/json"})
     assert "finite number" in assert_error(r, 400, "top_p")["message"]
     assert post(worker_url, "/v1/completions", {**body, "logit_bias": {}}).status_code == 200
+
+
+def test_a_refused_field_is_told_without_pydantic_wording(worker_url):
+    r = post(worker_url, "/v1/chat/completions", {"model": MODEL, "messages": MSGS,
+                                                  "tools": [{"type": "function"}]})
+    assert assert_error(r, 400, "tools")["message"] == \
+        "tools: function calling is not supported by this server"
 
 
 def test_the_no_op_forms_of_refused_fields_are_accepted(worker_url):

@@ -330,6 +330,7 @@ def test_unreachable_server_is_recorded_per_request(tmp_path, model_path):
     (["--max-output-tokens", "8"], "--max-output-tokens applies to --trace replays only"),
     (["--burstiness", "0.5"], "--burstiness shapes open-loop arrivals: it needs --rate"),
     (["--arrival", "bursty"], "--arrival shapes open-loop arrivals: it needs --rate"),
+    (["--arrival", "poisson"], "--arrival shapes open-loop arrivals: it needs --rate"),
 ])
 def test_flags_that_would_be_ignored_exit_2(model_path, capsys, args, message):
     """Found by a fresh user: these were silently ignored without --trace or --rate."""
@@ -360,6 +361,8 @@ def test_bad_arguments_exit_2(model_path, tmp_path, capsys):
      "argument --concurrency: must be >= 1 and <= 100,000, got 100000000"),
     (["--extra-body", '{"a": NaN}'], "argument --extra-body: not JSON (NaN is not a JSON "
      "value): '{\"a\": NaN}'"),
+    (["--extra-body", '{"a": 1e999}'], "argument --extra-body: not JSON (1e999 is out of "
+     "range for a number): '{\"a\": 1e999}'"),
     (["--warmup", "-2"], "argument --warmup: must be >= 0, got -2"),
     (["--prefix-groups", "-1"], "argument --prefix-groups: must be >= 0, got -1"),  # was taken
     (["--temperature", "-1"], "argument --temperature: must be finite and >= 0, got -1"),

@@ -85,6 +85,29 @@ def test_a_forked_worker_serves_in_its_own_session_with_its_threads(zygote, mode
 
 
 @slow
+def test_forked_workers_do_not_share_a_random_state(zygote, model_path):
+    """Found by a fresh user: two workers of one sluice up gave byte-identical unseeded
+    samples (each fork started from the fork server's torch RNG state)."""
+    ports, procs = [free_port(), free_port()], []
+    try:
+        for port in ports:
+            procs.append(zygote.spawn([*CLI, "worker", "--model", str(model_path), "--port",
+                                       str(port)], {**os.environ, "OMP_NUM_THREADS": "1"}))
+        texts = []
+        for port, proc in zip(ports, procs):
+            assert wait_healthy(f"http://127.0.0.1:{port}", proc, 120.0) is None
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+                "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0,
+                "ignore_eos": True})
+            texts.append(r.json()["choices"][0]["text"])
+        assert texts[0] != texts[1], texts
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@slow
 def test_a_forked_command_that_fails_reports_its_exit_code_and_error(zygote, tmp_path):
     proc = zygote.spawn([*CLI, "worker", "--model", str(tmp_path / "missing")],
                         dict(os.environ))

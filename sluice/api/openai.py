@@ -95,7 +95,8 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     loc = [part for part in first.get("loc", ()) if part != "body"]
     param = str(loc[0]) if loc and isinstance(loc[0], str) else None
     where = ".".join(str(p) for p in loc) or "body"
-    return APIError(400, f"{where}: {first.get('msg', 'invalid value')}", param=param)
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's
+    return APIError(400, f"{where}: {message}", param=param)
 
 
 # --------------------------------------------------------------------------- requests
@@ -138,6 +139,7 @@ class _GenerationRequest(_Lenient):
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT32)  # and <= max_tokens (engine)
     n: int | None = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -150,10 +152,21 @@ class _GenerationRequest(_Lenient):
             raise ValueError("logit_bias is not supported by this server")
         return value
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise ValueError(f"best_of {value} other than n = {n} is not supported by this "
+                             "server (nor by vLLM's V1 engine)")
+        return value
+
     @field_validator("response_format")
     @classmethod
     def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        kind = (value or {"type": "text"}).get("type")
+        if value is not None and "type" not in value:
+            raise ValueError("response_format needs a 'type'")
+        kind = (value or {"type": "text"})["type"]
         if kind != "text":  # JSON mode and schemas need guided decoding: refused, not ignored
             raise ValueError(f"response_format type {kind!r} is not supported by this "
                              "server (only 'text')")
@@ -203,16 +216,6 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
-        n = info.data.get("n") or 1
-        if value is not None and value != n:
-            raise ValueError(f"best_of {value} other than n = {n} is not supported by this "
-                             "server (nor by vLLM's V1 engine)")
-        return value
 
     @field_validator("prompt")
     @classmethod
@@ -268,12 +271,22 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None  # ... of tool_choice
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
     def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
         if value:  # a tool call the client waits for would never come: refused
-            raise ValueError("tools (function calling) are not supported by this server")
+            raise ValueError("function calling is not supported by this server")
+        return value
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value: str | dict[str, Any] | None
+                          ) -> str | dict[str, Any] | None:
+        if value not in (None, "none"):
+            raise ValueError("function_call other than 'none' is not supported by this server")
         return value
 
     @field_validator("tool_choice")

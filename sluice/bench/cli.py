@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="closed loop: requests in flight (default "
                    "1); with --rate or --trace: a cap on requests in flight")
     g.add_argument("--rate", type=positive, help="open loop: mean arrivals per second")
-    g.add_argument("--arrival", choices=("poisson", "bursty"), default="poisson",
-                   help="open-loop gaps: exponential, or gamma with --burstiness")
+    g.add_argument("--arrival", choices=("poisson", "bursty"),
+                   help="open-loop gaps: exponential (default), or gamma with --burstiness")
     g.add_argument("--burstiness", type=positive, help="gamma shape of the gaps (1 = Poisson, "
                    f"< 1 burstier; gap CV = 1/sqrt(shape)); bursty default {schedule.BURSTY_DEFAULT}")
     g.add_argument("--num-requests", type=positive_count,
@@ -139,8 +139,9 @@ def _workload(args, tok: workload.Tokenizer):
         n = args.num_requests or (None if args.duration else DEFAULT_NUM_REQUESTS)
     arrivals = None
     if args.rate:
-        shape = 1.0 if args.arrival == "poisson" else (args.burstiness or schedule.BURSTY_DEFAULT)
-        if args.arrival == "poisson" and args.burstiness not in (None, 1.0):
+        bursty = args.arrival == "bursty"
+        shape = (args.burstiness or schedule.BURSTY_DEFAULT) if bursty else 1.0
+        if not bursty and args.burstiness not in (None, 1.0):
             raise ValueError("--burstiness needs --arrival bursty")
         arrivals = schedule.arrivals(args.rate, shape, args.seed)
     if n is not None:  # build the prompts before the clock starts
@@ -155,7 +156,7 @@ def _check_applies(args) -> None:
     given = [flag for flag, value in trace_only.items() if value is not None]
     if given and not args.trace:
         raise ValueError(f"{given[0]} applies to --trace replays only")
-    if not args.rate and (args.burstiness is not None or args.arrival != "poisson"):
+    if not args.rate and (args.burstiness is not None or args.arrival is not None):
         flag = "--burstiness" if args.burstiness is not None else "--arrival"
         raise ValueError(f"{flag} shapes open-loop arrivals: it needs --rate")
 
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     records = result.records
     summary = report.summarize(records, args.slo_ttft_ms, args.slo_itl_ms,
                                args.slo_itl_percentile, args.cost_per_hour, args.replicas)
-    mode = (f"open loop, {args.rate:g} req/s {args.arrival}" if args.rate
+    mode = (f"open loop, {args.rate:g} req/s {args.arrival or 'poisson'}" if args.rate
             else "trace replay" if args.trace else f"closed loop, concurrency {cfg.concurrency}")
     Console().print(report.table(summary, title=f"sluice bench: {args.model} @ {args.url} "
                                                 f"({mode})"))

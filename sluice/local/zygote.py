@@ -179,10 +179,12 @@ def _child(argv: list[str], env: dict[str, str], output: Connection,
     if lifeline is not None:
         os.environ[LIFELINE_ENV] = str(os.dup(lifeline.fileno()))
         lifeline.close()
+    import torch
+
+    torch.seed()  # a fork has the fork server's RNG state: unseeded samples of every worker
+    # were the same (Python's random reseeds at fork; torch does not)
     threads = env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
-        import torch
-
         torch.set_num_threads(int(threads))
     from sluice.cli import main
 
