@@ -220,11 +220,11 @@ def test_without_vllm_installed_the_worker_says_where_it_is():
 
 def test_sampling_arguments_map_every_field():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=-1, seed=3,
-                            stop=["\n"], stop_token_ids=[2], ignore_eos=True, logprobs=2,
-                            prompt_logprobs=1)
+                            stop=["\n"], stop_token_ids=[2], ignore_eos=True, min_tokens=4,
+                            logprobs=2, prompt_logprobs=1)
     assert sampling_arguments(params) == dict(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=0, seed=3, stop=["\n"],
-        stop_token_ids=[2], ignore_eos=True, logprobs=2, prompt_logprobs=1,
+        stop_token_ids=[2], ignore_eos=True, min_tokens=4, logprobs=2, prompt_logprobs=1,
         skip_special_tokens=True, include_stop_str_in_output=False)
 
 
