@@ -117,7 +117,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"boot_s": args.boot_s, "tick_s": args.tick_s,
                                "profile": Path(args.profile).name,
-                               "slo": {"ttftMs": args.slo_ttft_ms, "itlMs": args.slo_itl_ms},
+                               "slo": {"ttftMs": args.slo_ttft_ms, "itlMs": args.slo_itl_ms,
+                                       "attainmentPct": args.attainment},
                                "cuts": rows}, indent=1))
     print(f"wrote {out}")
     return 0

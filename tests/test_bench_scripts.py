@@ -90,8 +90,11 @@ def test_aiperf_crosscheck_says_where_aiperf_is_missing(tmp_path):
 
 @pytest.mark.slow
 def test_autoscale_bench_tiny(tmp_path):
-    result = run_bench("autoscale.py", "--tiny", out=tmp_path / "autoscale.json")
+    result = run_bench("autoscale.py", "--tiny", "--slo-percentile", "90",
+                       out=tmp_path / "autoscale.json")
     assert set(result["configs"]) == {"static-1", "static-2", "autoscale"}
+    # the percentile reaches the profile (capacity at that tail) and the manifests' SLO
+    assert result["slo"]["percentile"] == result["capacity"]["profile"]["percentile"] == 90
     assert result["capacity"]["capacity_rps"] > 0 and result["capacity"]["profile"]["steps"]
     for name, run in result["configs"].items():
         assert run["requests"] == result["cut"]["requests"] > 0
@@ -137,6 +140,11 @@ def test_autoscale_sim_bench_one_cut(tmp_path):
     assert row["static-1"]["replica_ratio"] == pytest.approx(0.5, abs=0.02)
     assert row["oracle"]["attainment_pct"] >= row["static-1"]["attainment_pct"]
     assert row["sluice"]["policy"].startswith("sluice:") and isinstance(row["target_met"], bool)
+    assert result["slo"]["attainmentPct"] == 99.0
+    looser = run_bench("autoscale_sim.py", "--cut", "2100,120,0.04,0.5", "--attainment", "95",
+                       out=tmp_path / "autoscale_sim_95.json")
+    # a replica holds more load when 1 request in 20 may miss than when 1 in 100 may
+    assert looser["cuts"][0]["capacity_rps"] > row["capacity_rps"]
 
 
 def test_autoscale_bench_reads_the_supervisors_log_and_builds_valid_manifests():
