@@ -310,6 +310,41 @@ def test_a_new_endpoint_predicts_with_the_fleet_model_until_it_has_its_own():
     assert predict(ep, x_shape, 0, 0.0, fleet).ttft_s == pytest.approx(0.5, rel=0.2)
 
 
+def test_a_fresh_endpoint_takes_one_prefill_at_a_time_until_its_rate_is_measured():
+    """The burst that met a fresh one-thread worker (bench/autoscale.py, 2026-12-05): the
+    measured w0 drains 300 tokens/s and has one prefill queued; the fresh w1 took the first
+    of the burst. Predicted at the 2,500 tokens/s prior, w1 looked faster and took four of
+    five; now it takes no second prefill until its own rate is known."""
+    from sluice.router.policy import predict
+
+    measured, fresh = endpoints(2)
+    measured.drain.advance(0.0, True)
+    measured.drain.advance(10.0, True)
+    measured.drain.drained(300.0 * measured.drain.busy_s)
+    request = RoutingRequest(MODEL, shape=shape({"prompt": "x" * 400}), deadline=20.0)
+    policy = SLOPolicy()
+    Lease(measured, 100, 10.0)
+    lease = Lease(fresh, 100, 10.0)
+    ttft = [p.ttft_s for p in predict_all([measured, fresh], request, PrefixIndex(), 10.0)]
+    assert ttft == [pytest.approx(0.03 + 200 / 300, rel=0.01), math.inf]
+    assert predict(fresh, request.shape, 0, 10.0).ttft_s < 0.2  # a cold fleet: the prior
+    picks = [run(policy.choose([measured, fresh], request)).url for _ in range(3)]
+    assert picks == ["http://w0"] * 3  # (least-load and the prior would have picked w1)
+    lease.first_token(12.0)  # its first prefill: 100 tokens in 2 s of busy time
+    rate = 100 / (fresh.drain.horizon_s * (1 - math.exp(-2 / fresh.drain.horizon_s)))
+    assert fresh.drain.rate() == pytest.approx(rate)  # (2 busy s, exponentially weighted)
+    assert predict(fresh, request.shape, 0, 12.0, one_at_a_time=True).ttft_s == \
+        pytest.approx(0.03 + 100 / rate)
+
+
+def test_an_infinite_prediction_is_no_error_sample():
+    tracker = ErrorTracker(window=3)
+    tracker.observe(math.inf, 1.0)
+    assert len(tracker) == 0 and tracker.mape == 0
+    tracker.observe(1.5, 1.0)
+    assert tracker.mape == pytest.approx(0.5)
+
+
 def test_ttft_follows_the_observed_drain_rate_of_a_queue():
     """A replica works off prefill first come, first served at R tokens/s (plus 10 ms for
     the first decode step) at 80 % utilisation; halfway R drops from 4,000 to 1,000 tokens/s

@@ -431,10 +431,11 @@ def test_loading_worker_gets_no_traffic_then_joins_and_its_death_is_survived(
         worker_url, model_path, tmp_path):
     """A worker that is still loading (/health 503) is skipped; once ready it gets traffic;
     stopped, its requests go to the other worker (503s while it drains and connection
-    errors after it exits are retried elsewhere)."""
+    errors after it exits are retried elsewhere). Round-robin, so requests do go to the
+    stopping worker (slo routing may keep them on the faster one)."""
     port = free_port()
     new = f"http://127.0.0.1:{port}"
-    with serve_router([worker_url, new], free_port()) as router_url:
+    with serve_router([worker_url, new], free_port(), "--policy", "round-robin") as router_url:
         log = open(tmp_path / "worker.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "worker", "--model",
                                  str(model_path), "--served-model-name", MODEL, "--port", str(port)],

@@ -350,7 +350,8 @@ class Dispatcher:
         self.context.fleet.fit_ttft(prediction.features, ttft_s)
         self.errors.observe(prediction.ttft_s, ttft_s)
         self.metrics.mape.set(self.errors.mape)
-        self.metrics.prediction_error.observe(abs(prediction.ttft_s - ttft_s))
+        if math.isfinite(prediction.ttft_s):
+            self.metrics.prediction_error.observe(abs(prediction.ttft_s - ttft_s))
         self.mean_ttft_s += EWMA_ALPHA * (ttft_s - self.mean_ttft_s)
         self.kick(model)
 

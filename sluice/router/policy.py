@@ -267,7 +267,7 @@ class Prediction:
 
 
 def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int, now: float,
-            fleet: LatencyModel | None = None) -> Prediction:
+            fleet: LatencyModel | None = None, one_at_a_time: bool = False) -> Prediction:
     """Predict a request's TTFT and ITL on ``endpoint`` from its current observed load.
 
     Args:
@@ -278,23 +278,37 @@ def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int, now: flo
         fleet: a model fitted on every endpoint's observations, used while the endpoint's
             own model has fewer than ``MIN_OWN_UPDATES`` (a new replica starts from what
             its siblings taught, not from the prior).
+        one_at_a_time: an endpoint without a measured drain rate (``DrainMeter.rate`` None:
+            a fresh replica) that already has a prefill in flight is predicted ``math.inf``:
+            until its first prefill shows how fast it is, it takes one at a time.
+            ``predict_all`` asks for it when a sibling's rate is measured (a scale-up):
+            predicting the fresh one's queue at the prior rate let a burst flood a fresh
+            one-thread CPU worker (four of five requests queued there, TTFT 1.6-2.2 s,
+            while the measured sibling idled; ``bench/autoscale.py``, 2026-12-05). A cold
+            fleet keeps the prior, so a first burst is not held a prefill (or a whole plain
+            answer, whose first token the router sees only at its end) per replica.
     """
     cached_tokens = min(cached_blocks * shape.block_tokens, shape.tokens - 1)
+    rate = endpoint.drain.rate()
     features = TTFTFeatures(endpoint.queued_prefill_tokens(now),
                             max(0.0, shape.tokens - cached_tokens),
-                            endpoint.drain.rate() or PRIOR_DRAIN_TOKENS_PER_S, endpoint.running(now))
+                            rate or PRIOR_DRAIN_TOKENS_PER_S, endpoint.running(now))
     own = endpoint.latency
     ttft = own if fleet is None or own.ttft.updates >= MIN_OWN_UPDATES else fleet
     itl = own if fleet is None or own.itl.updates >= MIN_OWN_UPDATES else fleet
-    return Prediction(ttft.ttft_s(features), itl.itl_s(features.running + 1), cached_blocks,
-                      features)
+    held = one_at_a_time and rate is None and endpoint.prefilling > 0
+    ttft_s = math.inf if held else ttft.ttft_s(features)
+    return Prediction(ttft_s, itl.itl_s(features.running + 1), cached_blocks, features)
 
 
 def predict_all(candidates: Sequence[Endpoint], request: RoutingRequest, index: PrefixIndex,
                 now: float, fleet: LatencyModel | None = None) -> list[Prediction]:
-    """``predict`` for every candidate (one prefix-index lookup)."""
+    """``predict`` for every candidate (one prefix-index lookup); fresh endpoints take one
+    prefill at a time when some candidate's drain rate is measured."""
     matched = index.match(request.shape.blocks) if request.shape.blocks else {}
-    return [predict(e, request.shape, matched.get(e.url, 0), now, fleet) for e in candidates]
+    measured = any(e.drain.rate() is not None for e in candidates)
+    return [predict(e, request.shape, matched.get(e.url, 0), now, fleet, measured)
+            for e in candidates]
 
 
 def gate_open(candidates: Sequence[Endpoint], request: RoutingRequest, index: PrefixIndex,

@@ -22,8 +22,10 @@ uses the same RLS on [1, running].
 Known weakness (issue 12's MAPE): requests predicted at the drain meter's prior rate are
 fitted too, so a worker's first cold prefills (1.4 s where the prior said 0.2) raise the
 intercept to about a second and cached-prefix requests after them are predicted 5-10x too
-slow until forgetting wears it off. Not fitting them cut the MAPE (``sluice simulate`` on
-bench/router.py's prefix workload: 68 % -> 12 %; the real benchmark: 183-231 % -> 87-101 %)
+slow until forgetting wears it off. Holding a fresh replica to one prefill at a time once a
+sibling's rate is known (``policy.predict``) keeps most requests off the prior: 68 % -> 35 %
+on ``sluice simulate`` of bench/router.py's prefix workload. Not fitting them cut the MAPE
+further (before that change: 68 % -> 12 %; the real benchmark: 183-231 % -> 87-101 %)
 but lowered the real benchmark's goodput (2 req/s: 31-38 % -> 10-12 % of requests in SLO;
 prefix hit rate 0.59 -> 0.49): the inflated predictions keep the admission gate shut, and
 with accurate ones more requests reach workers whose 0.06 GiB pools then evict the
@@ -241,6 +243,10 @@ class ErrorTracker:
         self.floor_s = floor_s
 
     def observe(self, predicted: float, observed: float) -> None:
+        """One prediction and what came, seconds; an infinite prediction (an endpoint taking
+        one prefill at a time, ``policy.predict``) is no estimate and is left out."""
+        if not math.isfinite(predicted):
+            return
         error = abs(predicted - observed) / max(observed, self.floor_s)
         self._sum += error
         if self._window is None:
