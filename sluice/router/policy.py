@@ -280,7 +280,9 @@ def predict(endpoint: Endpoint, shape: PromptShape, cached_blocks: int, now: flo
             its siblings taught, not from the prior).
         one_at_a_time: an endpoint without a measured drain rate (``DrainMeter.rate`` None:
             a fresh replica) that already has a prefill in flight is predicted ``math.inf``:
-            until its first prefill shows how fast it is, it takes one at a time.
+            until its own prefills have shown how fast it is (``MIN_BUSY_S`` busy seconds
+            of the drain meter: one slow CPU prefill, a few fast GPU ones), it takes one at
+            a time.
             ``predict_all`` asks for it when a sibling's rate is measured (a scale-up):
             predicting the fresh one's queue at the prior rate let a burst flood a fresh
             one-thread CPU worker (four of five requests queued there, TTFT 1.6-2.2 s,
