@@ -231,7 +231,7 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     assert set(data) == {"trace", "requests", "span_s", "scale_requests", "boot_s",
                          "boot_jitter", "max_replicas", "slo", "routing", "profile",
                          "capacity_rps", "max_rps", "oracle_schedule", "oracle_step_s",
-                         "policies", "timeline_fields", "timelines"}
+                         "policies", "dominance", "timeline_fields", "timelines"}
     assert data["requests"] == 200 and data["slo"]["ttft_ms"] == 2000.0
     rows = {r["policy"]: r for r in data["policies"]}
     assert list(rows) == ["oracle", "sluice:down=300", "static:replicas=2"]
@@ -240,7 +240,28 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     assert rows["static:replicas=2"]["replica_hours"] == pytest.approx(
         2 * data["timelines"]["static:replicas=2"][-1][0] / 3600, rel=0.05)
     assert 0 < data["capacity_rps"] <= data["max_rps"]
-    assert "sluice" in capsys.readouterr().out
+    assert data["dominance"] == report.dominance(data["policies"])
+    assert sum(data["dominance"]["static"].values()) == 1
+    captured = capsys.readouterr()
+    assert "sluice" in captured.out and "sluice vs static: at no more replica-hours" in captured.err
+
+
+def test_dominance_sets_each_baseline_run_against_the_cheaper_sluice_frontier():
+    """Issue 12's 'Sluice's curve dominates every baseline's': each baseline run against
+    the best attainment Sluice reached at no more replica-hours."""
+    def row(policy, pct, ratio):
+        return {"policy": policy, "slo_attainment_pct": pct, "oracle_ratio": ratio}
+
+    rows = [row("oracle", 99.0, 1.0), row("sluice:down=30", 99.5, 1.1),
+            row("sluice:down=300", 99.9, 1.4),
+            row("kpa:target=8", 99.4, 1.2),     # sluice's 1.1x run is higher: beaten
+            row("kpa:target=4", 99.9, 1.5),     # the 1.4x run equals it: tied
+            row("kpa:target=2", 99.99, 3.0),    # higher than any sluice run: ahead
+            row("static:replicas=2", 70.0, 0.9)]  # cheaper than any sluice run
+    assert report.dominance(rows) == {
+        "kpa": {"beaten": 1, "tied": 1, "ahead": 1, "cheaper": 0},
+        "static": {"beaten": 0, "tied": 0, "ahead": 0, "cheaper": 1}}
+    assert report.dominance([r for r in rows if "sluice" not in r["policy"]]) == {}
 
 
 @pytest.mark.parametrize("args, message", [

@@ -184,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
              f"SLO TTFT {args.slo_ttft_ms:g} ms ITL {args.slo_itl_ms:g} ms, routing "
              f"{args.routing} (d={args.candidates}): one row per policy run")
     Console(width=max(140, Console().width)).print(report.table(rows, title))
+    dominance = report.dominance(rows)
+    for family, counts in dominance.items():
+        err.print(f"sluice vs {family}: at no more replica-hours, sluice is higher on "
+                  f"{counts['beaten']}, equal on {counts['tied']}, lower on {counts['ahead']} "
+                  f"of its runs ({counts['cheaper']} cheaper than any sluice run)")
     if args.output:
         out = {"trace": str(args.trace), "requests": len(trace), "span_s": trace.span_s,
                "scale_requests": args.scale_requests, "boot_s": args.boot_time,
@@ -193,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                "routing": {"policy": args.routing, "candidates": args.candidates},
                "profile": {"path": str(path), "model": model.model},
                "capacity_rps": capacity, "max_rps": max_rps, "oracle_schedule": counts,
-               "oracle_step_s": args.oracle_step, "policies": rows,
+               "oracle_step_s": args.oracle_step, "policies": rows, "dominance": dominance,
                "timeline_fields": ["t_s", "billed", "ready", "in_flight", "held"],
                "timelines": {k: [list(s) for s in results[k].timeline] for k in shown}}
         Path(args.output).write_text(json.dumps(out, indent=1))

@@ -95,6 +95,34 @@ def table(rows: list[dict[str, Any]], title: str) -> Any:
     return t
 
 
+def dominance(rows: list[dict[str, Any]], ours: str = "sluice") -> dict[str, dict[str, int]]:
+    """Does ``ours``'s curve dominate each baseline's (issue 12: higher attainment at equal
+    replica-hours)? Each baseline run is set against the best SLO attainment among ``ours``'s
+    runs at no more replica-hours (a step frontier, no interpolation).
+
+    Returns:
+        family → counts of its runs: ``beaten`` (ours higher), ``tied``, ``ahead`` (the
+        baseline higher), ``cheaper`` (fewer replica-hours than any run of ours: not
+        compared). Empty without runs of ``ours``.
+    """
+    frontier = sorted((r["oracle_ratio"], r["slo_attainment_pct"]) for r in rows
+                      if r["policy"].split(":")[0] == ours)
+    if not frontier:
+        return {}
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        family = row["policy"].split(":")[0]
+        if family in (ours, "oracle"):
+            continue
+        counts = out.setdefault(family, dict.fromkeys(("beaten", "tied", "ahead", "cheaper"), 0))
+        best = max((a for r, a in frontier if r <= row["oracle_ratio"]), default=None)
+        theirs = row["slo_attainment_pct"]
+        key = "cheaper" if best is None else "beaten" if best > theirs else \
+            "tied" if best == theirs else "ahead"
+        counts[key] += 1
+    return out
+
+
 def ttft_over_time(result: Result, bin_s: float = 30.0) -> list[tuple[float, float]]:
     """(bin start s, p90 TTFT s) by arrival time; refused requests count as infinite."""
     bins: dict[int, list[float]] = {}
