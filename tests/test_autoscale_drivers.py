@@ -35,6 +35,7 @@ def test_demand_counts_arrivals_refusals_and_slo_verdicts():
     for _ in range(3):
         demand.arrived(MODEL)
     demand.rejected(MODEL)
+    demand.invalid(MODEL)
     demand.started(MODEL)
     demand.started(MODEL)
     demand.first_token(MODEL, ttft_s=0.4, slo_s=0.5)
@@ -42,7 +43,7 @@ def test_demand_counts_arrivals_refusals_and_slo_verdicts():
     demand.first_token(MODEL, ttft_s=9.0, slo_s=None)  # no objective: no verdict
     demand.finished(MODEL, mean_gap_s=0.05, slo_s=0.1)
     demand.finished(MODEL, mean_gap_s=None, slo_s=0.1)  # not streamed: no ITL verdict
-    assert demand.snapshot() == {MODEL: {"arrivals": 3, "rejected": 1, "ttft_met": 1,
+    assert demand.snapshot() == {MODEL: {"arrivals": 3, "rejected": 1, "invalid": 1, "ttft_met": 1,
                                          "ttft_total": 2, "itl_met": 1, "itl_total": 1,
                                          "held": 0, "in_flight": 0}}
 
@@ -118,6 +119,9 @@ def test_observe_sums_routers_and_survives_a_router_restart():
     assert (obs.arrivals, obs.rejected, obs.ttft_met, obs.ttft_total) == (8, 0, 2, 2)
     assert (obs.queued, obs.held, obs.in_flight, obs.ready, obs.starting) == (2, 1, 4, 2, 1)
     assert observe("other", before, now, 5.0, 0, 0).arrivals == 0
+    invalid = {"r1": snap(arrivals=16, invalid=5)}  # 6 arrived, 5 of them refused as invalid
+    assert observe(MODEL, before, invalid, 5.0, 1, 0).arrivals == 1
+    assert observe(MODEL, before, {"r1": snap(arrivals=11, invalid=3)}, 5.0, 1, 0).arrivals == 0
 
 
 # ------------------------------------------------------------------ file discovery

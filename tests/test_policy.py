@@ -337,6 +337,29 @@ def test_a_fresh_endpoint_takes_one_prefill_at_a_time_until_its_rate_is_measured
         pytest.approx(0.03 + 100 / rate)
 
 
+def test_the_gate_opens_on_a_worker_whose_plain_answer_is_past_its_prefill():
+    """A plain (not streamed) answer counts as prefilling at the router until it arrives
+    whole, so a worker decoding one long plain answer closed the gate to everything else
+    (the break-it pass of 2026-12-05: 1 req/s of plain requests through the router, e2e p50
+    14.1 s against 7.5 s direct). A load report the worker sent after the router's last
+    request there, with nothing waiting to prefill, opens it; an older one does not."""
+    from sluice.router.policy import gate_open
+
+    (ep,) = endpoints(1)
+    request = RoutingRequest(MODEL, shape=shape({"prompt": "x" * 400}), deadline=10.0)
+    Lease(ep, 50_000, 1.0)  # predicted 20 s at the prior drain rate: past the 8 s budget
+    assert not gate_open([ep], request, PrefixIndex(), 2.0)[0]
+    ep.reported = WorkerLoad(running=1, waiting=0, queued_prefill_tokens=0, at=0.5)
+    assert not gate_open([ep], request, PrefixIndex(), 2.0)[0]  # sent before the report
+    ep.reported = WorkerLoad(running=1, waiting=0, queued_prefill_tokens=0, at=1.5)
+    assert gate_open([ep], request, PrefixIndex(), 2.0) == (True, None)
+    ep.reported = WorkerLoad(running=1, waiting=1, queued_prefill_tokens=400, at=1.5)
+    assert not gate_open([ep], request, PrefixIndex(), 2.0)[0]  # one waits there
+    ep.reported = WorkerLoad(running=1, waiting=0, queued_prefill_tokens=0, at=1.5)
+    Lease(ep, 100, 1.8)  # sent after the report: it says nothing of this one
+    assert not gate_open([ep], request, PrefixIndex(), 2.0)[0]
+
+
 def test_an_infinite_prediction_is_no_error_sample():
     tracker = ErrorTracker(window=3)
     tracker.observe(math.inf, 1.0)

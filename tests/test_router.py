@@ -315,7 +315,8 @@ def test_unknown_routes_and_methods_get_openai_errors(router):
 @slow
 def test_malformed_requests_are_400(router):
     for content in (b"{not json", b"[1, 2]", json.dumps({"prompt": "x"}).encode(),
-                    json.dumps({"model": 7}).encode(), b"[" * 100_000 + b"]" * 100_000):
+                    json.dumps({"model": 7}).encode(), b"[" * 100_000 + b"]" * 100_000,
+                    b'{"model": "m", "x": ' + b"9" * 5000 + b"}"):  # past int()'s 4,300 digits
         r = httpx.post(f"{router}/v1/completions", content=content,
                        headers={"content-type": "application/json"}, timeout=10)
         assert r.status_code == 400, content
@@ -323,9 +324,19 @@ def test_malformed_requests_are_400(router):
 
 
 @slow
-def test_worker_errors_pass_through(router):
+def test_worker_errors_pass_through_and_are_no_demand(router):
+    """A request the worker refuses as invalid is counted as such in the router's demand
+    snapshot, which the autoscaler's ``observe`` takes off the arrivals: a stream of
+    malformed requests does not scale a service up."""
+    def demand() -> dict:
+        entry = httpx.get(f"{router}/autoscale/demand", timeout=10).json()["models"].get(MODEL, {})
+        return {"arrivals": entry.get("arrivals", 0), "invalid": entry.get("invalid", 0)}
+
+    before = demand()
     r = httpx.post(f"{router}/v1/completions", json={**COMPLETION, "max_tokens": -5}, timeout=10)
     assert r.status_code == 400 and "error" in r.json()
+    after = demand()
+    assert (after["arrivals"] - before["arrivals"], after["invalid"] - before["invalid"]) == (1, 1)
 
 
 @slow

@@ -1,12 +1,13 @@
 """From routers' demand snapshots to the policy's ``Observation``.
 
 Each router serves ``GET /autoscale/demand`` (``sluice.router.demand``): per model,
-cumulative counters (``arrivals``, ``rejected``, ``ttft_met``, ``ttft_total``, ``itl_met``,
-``itl_total``) and gauges (``held``, ``in_flight``, ``queued``). A driver keeps the last
-snapshot of every router and calls ``observe`` with the new ones; counts are the sum over
+cumulative counters (``arrivals``, ``rejected``, ``invalid``, ``ttft_met``, ``ttft_total``,
+``itl_met``, ``itl_total``) and gauges (``held``, ``in_flight``, ``queued``). A driver keeps
+the last snapshot of every router and calls ``observe`` with the new ones; counts are the sum over
 routers of each one's increase, gauges the sum of their current values. A router seen for
 the first time contributes its gauges only (its counters cover an unknown span); a counter
-that fell means the router restarted, and its new value is the increase.
+that fell means the router restarted, and its new value is the increase. Requests the workers
+refused as invalid are no demand: they are taken off the arrivals.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Mapping
 
 from sluice.autoscale.policy import Observation
 
-COUNTERS = ("arrivals", "rejected", "ttft_met", "ttft_total", "itl_met", "itl_total")
+COUNTERS = ("arrivals", "rejected", "invalid", "ttft_met", "ttft_total", "itl_met",
+            "itl_total")
 GAUGES = ("held", "in_flight", "queued")
 
 Snapshot = Mapping[str, Mapping[str, int]]  # model → field → value (one router)
@@ -45,7 +47,8 @@ def observe(model: str, previous: Mapping[str, Snapshot], current: Mapping[str, 
         for name in COUNTERS:
             value, old = int(now.get(name, 0)), int(before.get(name, 0))
             counts[name] += value - old if value >= old else value
-    return Observation(window_s=window_s, arrivals=counts["arrivals"],
+    arrivals = max(0, counts["arrivals"] - counts["invalid"])
+    return Observation(window_s=window_s, arrivals=arrivals,
                        rejected=counts["rejected"], ttft_met=counts["ttft_met"],
                        ttft_total=counts["ttft_total"], itl_met=counts["itl_met"],
                        itl_total=counts["itl_total"], queued=gauges["queued"],

@@ -318,7 +318,8 @@ def _parse(raw: bytes, endpoints: EndpointSet) -> tuple[dict[str, Any], Response
     503 no worker has reported its models yet (the router just started)."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # (JSONDecodeError, UnicodeDecodeError, and
+        # an integer literal past Python's 4,300-digit conversion limit are ValueErrors)
         return {}, openai_error(400, f"the request body is not valid JSON: {type(exc).__name__}",
                                 "invalid_request_error")
     if not isinstance(body, dict):

@@ -31,6 +31,10 @@ class ModelDemand:
     Attributes:
         arrivals: requests that reached admission.
         rejected: of those, refused (429 from admission, 503 after a hold timeout).
+        invalid: of those, refused by the worker as invalid (a 4xx other than 429): not
+            demand (``sluice.autoscale.observe`` takes them off the arrivals), so a stream
+            of malformed requests cannot hold a service at its maximum. Counted when the
+            worker answers, milliseconds after the arrival.
         ttft_met / ttft_total: requests whose TTFT (from arrival, queueing and holding
             included) met their objective / all with a first token the router saw (see
             ``sluice.router.exchange``) and an objective.
@@ -42,6 +46,7 @@ class ModelDemand:
 
     arrivals: int = 0
     rejected: int = 0
+    invalid: int = 0
     ttft_met: int = 0
     ttft_total: int = 0
     itl_met: int = 0
@@ -72,6 +77,10 @@ class Demand:
 
     def rejected(self, model: str) -> None:
         self.model(model).rejected += 1
+
+    def invalid(self, model: str) -> None:
+        """The worker refused it as invalid (see ``ModelDemand.invalid``)."""
+        self.model(model).invalid += 1
 
     def started(self, model: str) -> None:
         """A worker took the request."""

@@ -171,6 +171,7 @@ class Endpoint:
         failures: consecutive polls that could not reach the worker (after its boot grace).
         next_poll: ``time.monotonic()`` of the next poll (backs off while unreachable).
         reported: the worker's last load report (headers or scrape), if any.
+        last_sent: the router's clock (seconds) when it last sent a request here.
         latency: the online TTFT/ITL models of this endpoint (``sluice.router.predictor``).
         drain: the observed rate at which it works off its prefill (``Lease`` feeds it).
         unanswered: requests sent here with no byte back yet (each removes itself when its
@@ -193,6 +194,7 @@ class Endpoint:
     failures: int = 0
     next_poll: float = 0.0
     reported: WorkerLoad | None = None
+    last_sent: float = -math.inf
     latency: LatencyModel = field(default_factory=LatencyModel, repr=False, compare=False)
     drain: DrainMeter = field(default_factory=DrainMeter, repr=False, compare=False)
     unanswered: set[Unanswered] = field(default_factory=set, repr=False, compare=False)
@@ -216,6 +218,21 @@ class Endpoint:
         if self.reported is None or now - self.reported.at > REPORT_FRESH_S:
             return None
         return self.reported
+
+    def settled_report(self, now: float) -> WorkerLoad | None:
+        """The fresh report if it came after the last request sent here: it counts all of
+        them, including plain (not streamed) requests whose first token the router sees only
+        when their whole answer arrives, and which it still counts as prefilling."""
+        report = self.report(now)
+        return report if report is not None and report.at > self.last_sent else None
+
+    def prefill_idle(self, now: float) -> bool:
+        """No prefill waits here: none in flight by the router's count, or none by a
+        settled report (a plain answer past its first token is decoding, not prefilling)."""
+        if self.prefilling == 0:
+            return True
+        report = self.settled_report(now)
+        return report is not None and report.waiting == 0 and report.queued_prefill_tokens == 0
 
     def queued_prefill_tokens(self, now: float) -> float:
         """Prefill work ahead of a new request: the router's own count, or the worker's
@@ -241,6 +258,7 @@ class Lease:
         self.endpoint = endpoint
         self.prefill_tokens = prefill_tokens
         endpoint.drain.advance(now, endpoint.prefilling > 0)
+        endpoint.last_sent = now
         endpoint.in_flight += 1
         endpoint.prefilling += 1
         endpoint.prefill_tokens += prefill_tokens

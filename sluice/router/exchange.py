@@ -158,6 +158,8 @@ class Exchange:
         self.state.dispatcher.finished(self.endpoint, self.prediction, gap, self.model)
         self.state.dispatcher.demand.finished(self.model, gap if counted else None,
                                               self.routing.itl_slo_s)
+        if counted and 400 <= self.status < 500 and self.status != 429:
+            self.state.dispatcher.demand.invalid(self.model)
         if counted:
             self.state.metrics.e2e.labels(self.model).observe(now - self.start)
             self.state.metrics.requests.labels(self.model, str(self.status)).inc()

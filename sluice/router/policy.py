@@ -319,7 +319,8 @@ def gate_open(candidates: Sequence[Endpoint], request: RoutingRequest, index: Pr
     """The admission gate: may ``request`` go to one of ``candidates`` (ready endpoints)
     now, or wait in its model's queue? It may when it has no TTFT objective, when no
     endpoint is ready (the proxy answers), when some endpoint has no prefill in flight
-    (work conservation: an idle endpoint never waits while requests queue), or when some
+    (``Endpoint.prefill_idle``; work conservation: an idle endpoint never waits while
+    requests queue), or when some
     endpoint is predicted to give its first token within its remaining budget.
 
     Holding the rest at the router keeps each engine's queue about one prefill deep, so
@@ -334,7 +335,7 @@ def gate_open(candidates: Sequence[Endpoint], request: RoutingRequest, index: Pr
     """
     if not candidates or request.deadline is None:
         return True, None
-    if any(e.prefilling == 0 for e in candidates):
+    if any(e.prefill_idle(now) for e in candidates):
         return True, None
     predictions = predict_all(candidates, request, index, now, fleet)
     budget = request.budget_s(now)
