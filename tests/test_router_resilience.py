@@ -113,8 +113,11 @@ class FakeWorker:
         await writer.drain()
 
     async def _stream(self, writer: asyncio.StreamWriter, delay: float) -> None:
+        # (as a worker does: the request's prompt counts as queued prefill until its first
+        # token, which comes after ``delay``)
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"x-sluice-num-running: 0\r\ntransfer-encoding: chunked\r\n\r\n")
+                     b"x-sluice-num-running: 0\r\nx-sluice-queued-prefill-tokens: 3\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
         await writer.drain()
         await asyncio.sleep(delay)
         for event in (b'data: {"choices":[{"text":"hi","index":0}]}\n\n', b"data: [DONE]\n\n"):
