@@ -215,6 +215,8 @@ def test_token_estimates():
     ({"x-priority": "-2147483648"}, {}, "x-priority", 400),
     ({"x-priority": "1001"}, {}, "x-priority", 400),
     ({"x-priority": "1.5"}, {}, "x-priority", 400),
+    ({"x-priority": "1_000"}, {}, "x-priority", 400),  # int() would take both
+    ({"x-priority": "\u0663"}, {}, "x-priority", 400),  # (ARABIC-INDIC DIGIT THREE)
     ({}, {"priority": float("inf")}, "priority", 400),  # what JSON's 1e400 parses to
     ({}, {"priority": 2.5}, "priority", 400),
     ({}, {"priority": [1]}, "priority", 400),

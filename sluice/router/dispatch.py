@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -112,14 +113,14 @@ def _positive_ms(value: Any, param: str, most: float) -> float:
 
 
 def _priority(value: Any, param: str) -> int:
-    """An integer priority in [-PRIORITY_LIMIT, PRIORITY_LIMIT]: a header's text, or a JSON
-    integer (or integral number)."""
+    """An integer priority in [-PRIORITY_LIMIT, PRIORITY_LIMIT]: a header's text (ASCII
+    digits with an optional sign: not ``int()``'s ``1_000`` or other scripts' digits), or a
+    JSON integer (or integral number)."""
     number: Any = None
     if isinstance(value, str):
-        try:
-            number = int(value.strip())
-        except ValueError:
-            pass
+        text = value.strip()
+        if re.fullmatch(r"[+-]?[0-9]{1,6}", text):
+            number = int(text)
     elif isinstance(value, int) and not isinstance(value, bool):
         number = value
     elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
