@@ -105,8 +105,8 @@ def dominance(rows: list[dict[str, Any]], ours: str = "sluice") -> dict[str, dic
         baseline higher), ``cheaper`` (fewer replica-hours than any run of ours: not
         compared). Empty without runs of ``ours``.
     """
-    frontier = sorted((r["oracle_ratio"], r["slo_attainment_pct"]) for r in rows
-                      if r["policy"].split(":")[0] == ours)
+    frontier = [(r["oracle_ratio"], r["slo_attainment_pct"]) for r in rows
+                if r["policy"].split(":")[0] == ours]
     if not frontier:
         return {}
     out: dict[str, dict[str, int]] = {}
