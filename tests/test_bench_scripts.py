@@ -132,17 +132,19 @@ def test_autoscale_bench_fits_the_cut_to_the_capacity():
 def test_autoscale_sim_bench_one_cut(tmp_path):
     """The simulator's sweep of bench/autoscale.py cuts: static-2 is the yardstick (ratio 1),
     static-1 costs half, the oracle does no worse than static-1."""
-    result = run_bench("autoscale_sim.py", "--cut", "2100,120,0.04,0.5",
-                       out=tmp_path / "autoscale_sim.json")
-    (row,) = result["cuts"]
-    assert row["cut"] == "azure2023_code_2100_120_0.04_0.5" and row["requests"] > 0
+    result = run_bench("autoscale_sim.py", "--cut", "2100,120,0.04,0.5", "--shift", "0",
+                       "--shift", "0.25", out=tmp_path / "autoscale_sim.json")
+    row, shifted = result["cuts"]
+    assert (row["shift_s"], shifted["shift_s"], result["runs"]) == (0.0, 0.25, 2)
+    assert row["cut"] == shifted["cut"] == "azure2023_code_2100_120_0.04_0.5"
+    assert row["requests"] == shifted["requests"] > 0
     assert row["static-2"]["replica_ratio"] == 1.0 and row["static-2"]["scale_events"] == 0
     assert row["static-1"]["replica_ratio"] == pytest.approx(0.5, abs=0.02)
     assert row["oracle"]["attainment_pct"] >= row["static-1"]["attainment_pct"]
     assert row["sluice"]["policy"].startswith("sluice:") and isinstance(row["target_met"], bool)
     assert result["slo"]["attainmentPct"] == 99.0
-    looser = run_bench("autoscale_sim.py", "--cut", "2100,120,0.04,0.5", "--attainment", "95",
-                       out=tmp_path / "autoscale_sim_95.json")
+    looser = run_bench("autoscale_sim.py", "--cut", "2100,120,0.04,0.5", "--shift", "0",
+                       "--attainment", "95", out=tmp_path / "autoscale_sim_95.json")
     # a replica holds more load when 1 request in 20 may miss than when 1 in 100 may
     assert looser["cuts"][0]["capacity_rps"] > row["capacity_rps"]
 

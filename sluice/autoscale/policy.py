@@ -427,25 +427,12 @@ def _corrected_capacity(state: State, config: Config, obs: Observation,
     steps = obs.window_s / CAPACITY_STEP_PERIOD_S
     if missed and 0.5 * capacity <= low_load and high_load <= capacity and not obs.starting:
         capacity *= CAPACITY_STEP_DOWN ** steps
-    elif _miss_rate_bound(attainment, samples) <= (1 - config.attainment_target) / 2 \
+    elif attainment >= 1 - (1 - config.attainment_target) / 2 \
             and low_load >= 0.8 * capacity:
         capacity *= CAPACITY_STEP_UP ** steps
     low, high = (f * config.capacity_rps for f in CAPACITY_RANGE)
     capacity = min(max(capacity, low), high)
     return capacity, missed and high_load >= 0.8 * capacity
-
-
-def _miss_rate_bound(attainment: float, samples: float, z: float = 1.645) -> float:
-    """The one-sided 95 % upper confidence bound on the SLO miss rate after ``samples``
-    verdicts of which the fraction ``attainment`` met it (Wilson's score interval, 1927).
-
-    No misses in a few requests say nothing about a p99 tail: 18 verdicts without a miss
-    bound the miss rate at 13 %, not below 1 %."""
-    miss = 1.0 - attainment
-    zz = z * z / samples
-    centre = miss + zz / 2
-    spread = z * math.sqrt(miss * (1 - miss) / samples + zz / (4 * samples))
-    return (centre + spread) / (1 + zz)
 
 
 def _trim(history: tuple[tuple[float, int], ...], now: float,
