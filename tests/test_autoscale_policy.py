@@ -310,9 +310,10 @@ def test_two_requests_after_silence_start_a_replica_a_boot_early():
 def test_a_cluster_split_across_two_ticks_is_the_same_burst():
     """Four requests within 0.6 s at a level of 0.1 req/s are a burst whether they fall in
     one 0.5 s tick or straddle two: every span ending now, from one tick to a boot time, is
-    tested, and demand is their rate over the boot time (2 req/s: 3 replicas of 0.69). Testing the newest tick alone made bench/autoscale.py's outcome
-    depend on where the ticks fell (the simulator's cuts, shifted by 0.25 s: 92.5 % instead
-    of 100 %). The same four spread over the boot time are no burst."""
+    tested, and demand is their rate over the boot time (2 req/s: 3 replicas of 0.69).
+    Testing the whole span alone made bench/autoscale.py's outcome depend on where the
+    ticks fell (a simulated cut shifted by 0.25 s: 92.5 % instead of 100 %). The same four
+    spread over the boot time are no burst."""
     config = Config(min_replicas=1, max_replicas=4, capacity_rps=0.69, boot_s=2.0,
                     scale_down_window_s=12.0)
     state = replace(State.initial(1, config, 0.0), level_rps=0.1, last_time=0.0,
