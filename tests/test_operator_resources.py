@@ -298,9 +298,9 @@ def test_spec_hash_changes_with_the_pods_not_with_replicas():
     (isvc(name="7b"), "'7b-worker' must be a DNS-1035 label"),
     (isvc(autoscaling={"scaleToZero": True}), "autoscaling.scaleToZero needs minReplicas: 0"),
     (isvc(minReplicas=0, maxReplicas=2, autoscaling={"enabled": True}),
-     "spec.minReplicas: 0 needs spec.autoscaling.scaleToZero: true"),
+     "spec.minReplicas 0 needs spec.autoscaling.scaleToZero: true"),
     (isvc(replicas=2, autoscaling={"enabled": True}),
-     "spec.maxReplicas: required with spec.autoscaling.enabled"),
+     "spec.maxReplicas is required with spec.autoscaling.enabled"),
     (isvc(resources={"cpu": "lots"}), "spec.resources.cpu"),
 ])
 def test_invalid_specs_the_schema_cannot_catch(body, words):

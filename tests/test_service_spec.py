@@ -96,6 +96,10 @@ def test_unknown_top_level_spec_field():
     ({"routing": {"strategy": "random"}}, "spec.routing.strategy"),
     ({"cascade": {"tiers": ["only-one"], "escalation": {"threshold": -1}}}, "spec.cascade.tiers"),
     ({"autoscaling": {"scaleToZero": True}}, "scaleToZero needs minReplicas: 0"),
+    # a break-it pass: sluice up took these and failed later, or ran "autoscaling 1-1"
+    ({"minReplicas": 0, "maxReplicas": 2, "autoscaling": {"enabled": True}},
+     "spec.minReplicas 0 needs spec.autoscaling.scaleToZero: true"),
+    ({"autoscaling": {"enabled": True}}, "spec.maxReplicas is required with spec.autoscaling.enabled"),
     ({"model": {"name": "x", "source": "hf://x"}}, "must be sluice://NAME"),
     ({"model": {"name": "x", "source": "file://relative/dir"}}, "absolute path"),
     ({"model": {"name": " x", "source": "sluice://x"}}, "spec.model.name"),

@@ -20,9 +20,9 @@ import pytest
 
 from conftest import free_port
 from sluice.api.service import load_manifests, parse_manifest
-from sluice.local.supervisor import (check_services, initial_replicas, plan, ready_banner,
-                                    router_arguments, router_child, worker_arguments,
-                                    worker_child, worker_threads)
+from sluice.local.supervisor import (check_services, initial_replicas, local_policy, plan,
+                                     ready_banner, router_arguments, router_child,
+                                     worker_arguments, worker_child, worker_threads)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2.yaml"
@@ -115,6 +115,19 @@ def test_initial_replicas_follow_the_autoscaling_bounds(caplog):
     with pytest.raises(ValueError, match="100000 replicas: sluice up runs at most 64 workers"):
         initial_replicas(parse_manifest(manifest()), 100000)
     assert initial_replicas(parse_manifest(manifest()), 64) == 64
+
+
+def test_the_autoscaler_of_sluice_up_forks_at_most_64_workers(caplog):
+    """A break-it pass: ``maxReplicas: 10000`` started with a warning about cores only,
+    and 150 held requests made the policy ask for 305 workers; the bound is capped at
+    ``MAX_LOCAL_WORKERS`` like ``--replicas``."""
+    scaled = {"enabled": True}
+    huge = parse_manifest(manifest(maxReplicas=10000, autoscaling=scaled))
+    assert (local_policy(huge).max_replicas, local_policy(huge).min_replicas) == (64, 1)
+    assert "autoscaling up to 64 workers, not spec.maxReplicas 10000" in caplog.text
+    with pytest.raises(ValueError, match="spec.minReplicas 65: sluice up runs at most 64"):
+        local_policy(parse_manifest(manifest(minReplicas=65, maxReplicas=100,
+                                             autoscaling=scaled)))
 
 
 # ------------------------------------------------------------------ several InferenceServices

@@ -320,6 +320,14 @@ class InferenceServiceSpec(_Spec):
                              f"({self.max_replicas})")
         if self.autoscaling.scale_to_zero and self.min_replicas != 0:
             raise ValueError("autoscaling.scaleToZero needs minReplicas: 0")
+        if self.autoscaling.enabled and self.min_replicas == 0 \
+                and not self.autoscaling.scale_to_zero:
+            raise ValueError("spec.minReplicas 0 needs spec.autoscaling.scaleToZero: true "
+                             "(or set minReplicas to 1 or more)")
+        if self.autoscaling.enabled and self.max_replicas is None:
+            raise ValueError("spec.maxReplicas is required with spec.autoscaling.enabled "
+                             "(unset, the maximum would be replicas, which the autoscaler "
+                             "writes)")
         if self.cascade is None and self.model.source is None:
             raise ValueError("model.source is required (only a cascade has none)")
         if self.cascade is not None and self.model.source is not None:

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -216,8 +216,7 @@ def plan(services: list[InferenceService], args: argparse.Namespace, workers_fil
     serving = [s for s in services if s.spec.cascade is None]
     counts = [initial_replicas(s, args.replicas) for s in serving]  # before any fetch
     alone = len(serving) == 1
-    policy = Config.from_spec(serving[0].spec) \
-        if alone and serving[0].spec.autoscaling.enabled else None
+    policy = local_policy(serving[0]) if alone and serving[0].spec.autoscaling.enabled else None
     most = max(sum(counts), policy.max_replicas if policy else 0)
     pools = []
     for service, replicas in zip(serving, counts):
@@ -261,6 +260,27 @@ def _autoscaler(up: Plan, supervisor: Supervisor, args: argparse.Namespace
 
 
 MAX_LOCAL_WORKERS = 64  # --replicas 100000 forked workers until the machine stalled
+
+
+def local_policy(service: InferenceService) -> Config:
+    """The autoscaling policy ``sluice up`` runs for ``service``: the spec's, with
+    ``maxReplicas`` capped at ``MAX_LOCAL_WORKERS`` (with a warning): a burst sized for
+    ``maxReplicas: 10000`` would fork workers until the machine stalls.
+
+    Raises:
+        ValueError: ``minReplicas`` above ``MAX_LOCAL_WORKERS``, or what
+            ``Config.from_spec`` raises.
+    """
+    policy = Config.from_spec(service.spec)
+    if policy.min_replicas > MAX_LOCAL_WORKERS:
+        raise ValueError(f"spec.minReplicas {policy.min_replicas}: sluice up runs at most "
+                         f"{MAX_LOCAL_WORKERS} workers of a service on one machine")
+    if policy.max_replicas > MAX_LOCAL_WORKERS:
+        logger.warning("autoscaling up to %d workers, not spec.maxReplicas %d: sluice up runs "
+                       "at most %d workers of a service on one machine", MAX_LOCAL_WORKERS,
+                       policy.max_replicas, MAX_LOCAL_WORKERS)
+        policy = replace(policy, max_replicas=MAX_LOCAL_WORKERS)
+    return policy
 
 
 def initial_replicas(service: InferenceService, override: int | None) -> int:

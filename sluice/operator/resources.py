@@ -220,7 +220,6 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
         details = str(exc).partition("invalid InferenceService:")[2]
         problems = [line.strip().replace("Value error, ", "") for line in details.splitlines()]
         raise InvalidSpec("; ".join(p for p in problems if p) or str(exc)) from None
-    _check_autoscaling(service)
     name = worker_name(service.metadata.name)
     if len(name) > 63 or not _DNS_1035.match(name):
         raise InvalidSpec(f"metadata.name {service.metadata.name!r}: the worker Service "
@@ -235,19 +234,6 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
         except store.ModelStoreError as exc:
             raise InvalidSpec(f"spec.model.source {model.source!r}: {exc}") from None
     return service
-
-
-def _check_autoscaling(service: InferenceService) -> None:
-    """What the autoscaler cannot act on although each field is valid on its own."""
-    spec = service.spec
-    if not spec.autoscaling.enabled:
-        return
-    if spec.min_replicas == 0 and not spec.autoscaling.scale_to_zero:
-        raise InvalidSpec("spec.minReplicas: 0 needs spec.autoscaling.scaleToZero: true "
-                          "(or set minReplicas to 1 or more)")
-    if spec.max_replicas is None:
-        raise InvalidSpec("spec.maxReplicas: required with spec.autoscaling.enabled (unset, "
-                          "the maximum would be spec.replicas, which the autoscaler writes)")
 
 
 def _plain(value: Any) -> Any:
