@@ -855,3 +855,32 @@ def test_autoscaler_and_probe_reads_leave_no_access_log_lines():
     assert not _not_a_probe(record("GET", "/health", 503))
     assert _not_a_probe(record("POST", "/v1/completions", 200))
     assert _not_a_probe(record("GET", "/health", 500))
+
+
+# ------------------------------------------------------------------ at zero replicas
+
+def test_at_zero_a_request_no_worker_would_take_is_refused_without_waking_one(tmp_path):
+    """A break-it pass: at zero replicas a request with ``max_tokens: -1`` was held, woke a
+    replica and got its 400 from that worker after the cold start. With no replica ready
+    the router checks the body with the worker's own request models first: a 400 naming
+    the field, no arrival in the demand snapshot (the autoscaler's wake signal), nothing
+    held. A valid request is held, then refused with 503 + Retry-After."""
+    workers_file = tmp_path / "workers.json"
+    workers_file.write_text(json.dumps({"workers": [], "models": [MODEL]}))
+    with serve_router([], free_port(), "--discovery", "file", "--workers-file",
+                      str(workers_file), "--hold-timeout", "0.3") as url:
+        def demand() -> dict:
+            return httpx.get(f"{url}/autoscale/demand", timeout=5).json()["models"].get(MODEL, {})
+
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        for path, body, param in [
+                ("/v1/chat/completions", {**chat, "max_tokens": -1}, "max_tokens"),
+                ("/v1/chat/completions", {**chat, "temperature": "hot"}, "temperature"),
+                ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0},
+                 "max_tokens")]:
+            r = httpx.post(f"{url}{path}", json=body, timeout=10)
+            assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+        assert demand().get("arrivals", 0) == 0 and demand().get("held", 0) == 0
+        r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 4}, timeout=10)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        assert (demand()["arrivals"], demand()["rejected"]) == (1, 1)

@@ -60,7 +60,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
-from sluice.api.openai import http_error_body
+from sluice.api.openai import (APIError, ChatCompletionRequest, CompletionRequest,
+                               http_error_body, parse)
 from sluice.argtypes import (count, factor, http_url, milliseconds, port, positive_count,
                              positive_milliseconds, positive_seconds, seconds)
 from sluice.logs import quiet_probe_access_logs
@@ -194,6 +195,11 @@ async def route_request(request: Request, path: str) -> Response:
     return response
 
 
+# The worker's request models, checked by the router only when no replica is ready (a held
+# request wakes one): elsewhere the worker checks, and the proxy only moves bytes.
+REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
 async def _to_model(request: Request, state: RouterState, body: dict[str, Any], raw: bytes,
                     path: str, start: float, tenant: Tenant | None,
                     charge: Charge | None) -> Response:
@@ -208,6 +214,12 @@ async def _to_model(request: Request, state: RouterState, body: dict[str, Any], 
             exc.status, str(exc), "invalid_request_error" if exc.status == 400 else
             "permission_error", exc.param, None if exc.status == 400 else "priority_not_allowed"),
             tenant, charge)
+    if not state.endpoints.ready_for(model) and path in REQUESTS:
+        try:  # at zero replicas: what a worker would refuse must not wake one first
+            parse(REQUESTS[path], body)
+        except APIError as exc:
+            return _count(state, model, openai_error(exc.status_code, exc.message, exc.type,
+                                                     exc.param, exc.code), tenant, charge)
     state.dispatcher.demand.arrived(model)
     try:
         if not state.endpoints.ready_for(model) and not await unless_disconnected(
