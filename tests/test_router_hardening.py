@@ -884,3 +884,37 @@ def test_at_zero_a_request_no_worker_would_take_is_refused_without_waking_one(tm
         r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "max_tokens": 4}, timeout=10)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         assert (demand()["arrivals"], demand()["rejected"]) == (1, 1)
+
+
+def test_a_router_stopping_answers_its_held_requests_at_once(tmp_path):
+    """A break-it pass: requests held at zero replicas when ``sluice up`` stopped got no
+    answer; the router's graceful shutdown waited for them until the supervisor killed it
+    10 s later. SIGTERM now answers them 503 + Retry-After, and the router exits."""
+    workers_file = tmp_path / "workers.json"
+    workers_file.write_text(json.dumps({"workers": [], "models": [MODEL]}))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "router", "--port", str(port),
+                             "--discovery", "file", "--workers-file", str(workers_file),
+                             "--hold-timeout", "120"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_until(lambda: health(url) in (200, 503), 30, period=0.2)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        with ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(httpx.post, f"{url}/v1/chat/completions", json=body,
+                                timeout=60) for _ in range(2)]
+
+            def holding() -> int:
+                entry = httpx.get(f"{url}/autoscale/demand", timeout=5).json()["models"]
+                return entry.get(MODEL, {}).get("held", 0)
+            assert wait_until(lambda: holding() == 2, 10, period=0.1)
+            proc.send_signal(signal.SIGTERM)
+            answers = [f.result(timeout=30) for f in held]
+        assert [r.status_code for r in answers] == [503, 503]
+        assert all(int(r.headers["Retry-After"]) >= 1 for r in answers)
+        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

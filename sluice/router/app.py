@@ -632,6 +632,18 @@ def run(args: argparse.Namespace) -> int:
                 f"the InferenceServices in namespace {namespace}" if kubernetes
                 else f"the workers in {args.workers_file}" if args.workers_file
                 else ", ".join(args.worker) or "no workers")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=30)
+    class Server(uvicorn.Server):
+        """uvicorn's server, which on SIGTERM/SIGINT also answers the requests held for a
+        replica at once (``Demand.close``): the graceful shutdown waits for open
+        connections, and a held request would otherwise wait there until the supervisor's
+        kill."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state = getattr(app.state, "router", None)
+            if state is not None:  # runs in the loop's thread, between its callbacks
+                asyncio.get_running_loop().call_soon_threadsafe(state.dispatcher.demand.close)
+            super().handle_exit(sig, frame)
+
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                          timeout_graceful_shutdown=30)).run()
     return 0

@@ -65,6 +65,7 @@ class Demand:
     def __init__(self) -> None:
         self._models: dict[str, ModelDemand] = {}
         self._changed = asyncio.Event()  # replaced at each wake; binds to the loop at first use
+        self._closed = False
 
     def model(self, model: str) -> ModelDemand:
         entry = self._models.get(model)
@@ -104,7 +105,8 @@ class Demand:
     async def hold(self, model: str, ready: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``ready()`` is True (a replica of ``model`` is ready), at most
         ``timeout_s`` seconds; True when it is. Counted in ``held`` meanwhile. ``wake`` is
-        called whenever readiness may have changed (each endpoint poll)."""
+        called whenever readiness may have changed (each endpoint poll). False at once
+        after ``close``."""
         if ready():
             return True
         entry = self.model(model)
@@ -112,6 +114,8 @@ class Demand:
         try:
             async with asyncio.timeout(timeout_s):
                 while not ready():
+                    if self._closed:
+                        return False
                     await self._changed.wait()
             return True
         except TimeoutError:
@@ -123,6 +127,13 @@ class Demand:
         """Readiness may have changed: every held request re-checks it."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+    def close(self) -> None:
+        """The router is stopping: every held request, and any held later, gives up now
+        (its client gets 503 + Retry-After rather than a connection dropped at the end of
+        the graceful shutdown, which waited for them)."""
+        self._closed = True
+        self.wake()
 
     def holding(self) -> int:
         return sum(entry.held for entry in self._models.values())
