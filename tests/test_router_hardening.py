@@ -686,6 +686,10 @@ def test_a_stream_that_stalls_ejects_its_worker():
         assert events[2] == "data: [DONE]"
         assert ready_workers(url) == []  # until a poll finds it well
         assert samples(url, names.ROUTER_EJECTIONS) == {'{reason="timeout"}': 1.0}
+        # the 200 is counted, and so is the cut (a break-it pass: a stream cut by a drain
+        # deadline showed in no metric)
+        assert samples(url, names.ROUTER_BROKEN_STREAMS) == {
+            f'{{model="{MODEL}",reason="timeout"}}': 1.0}
 
 
 @pytest.mark.slow

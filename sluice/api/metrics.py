@@ -35,6 +35,7 @@ ROUTER_RETRIES = "sluice_router_retries_total"
 ROUTER_TTFT_PREDICTION_MAPE = "sluice_router_ttft_prediction_mape"
 ROUTER_TTFT_PREDICTION_ERROR = "sluice_router_ttft_prediction_error_seconds"
 ROUTER_EJECTIONS = "sluice_router_endpoint_ejections_total"
+ROUTER_BROKEN_STREAMS = "sluice_router_broken_streams_total"
 
 # router: API-key tenants (labels: the tenants of the key file)
 ROUTER_TENANT_REQUESTS = "sluice_router_tenant_requests_total"

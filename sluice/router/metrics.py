@@ -52,6 +52,12 @@ class RouterMetrics:
                                     registry=reg)
         self.retries = Counter(names.ROUTER_RETRIES, "Requests sent to a second worker after the "
                                "first died before answering.", registry=reg)
+        self.broken_streams = Counter(names.ROUTER_BROKEN_STREAMS, "Answers cut after their "
+                                      "200 headers (the worker's stream broke or stalled past "
+                                      "--read-timeout): the client got an error event and "
+                                      "[DONE], and requests_total counted a 200; by model and "
+                                      "reason (broken, timeout).", ["model", "reason"],
+                                      registry=reg)
         self.ejections = Counter(names.ROUTER_EJECTIONS, "Workers taken out of routing until a "
                                  "health poll finds them well, by reason (unreachable, "
                                  "unhealthy, timeout, broken, refused); their unanswered "

@@ -227,6 +227,8 @@ async def _relay(upstream: aiohttp.ClientResponse, rest: AsyncIterator[bytes],
         logger.warning("stream from %s broke: %s: %s", exchange.endpoint.url,
                        type(exc).__name__, exc)
         timeout = isinstance(exc, _TIMEOUTS)
+        exchange.state.metrics.broken_streams.labels(
+            exchange.model, "timeout" if timeout else "broken").inc()
         exchange.state.endpoints.eject(exchange.endpoint, "timeout" if timeout else "broken",
                                        "its stream timed out" if timeout else "its stream broke")
         error = {"error": {"message": f"the worker stream broke: {type(exc).__name__}",
