@@ -194,6 +194,12 @@ def test_a_503_without_a_ready_replica_says_when_the_booting_one_is_expected():
     assert d.no_worker_retry_after(MODEL) == NO_WORKER_RETRY_AFTER_S == 5
     endpoints.boot_s, new.listed_at = 1e300, time.monotonic()  # found by a fresh user
     assert d.no_worker_retry_after(MODEL) == MAX_RETRY_AFTER_S == 3600
+    # none booting yet (a break-it pass: a hold of 0.3 s ended before the autoscaler's tick
+    # listed one, and the first client was told 5 s of a 30 s boot, later ones 30, 29, ...)
+    endpoints.boot_s = 30.0
+    endpoints.sync([busy.url], [MODEL])
+    assert endpoints.ready_in_s(MODEL, time.monotonic()) is None
+    assert d.no_worker_retry_after(MODEL) == 30
 
 
 def test_full_queue_answers_rejected_with_retry_after():

@@ -300,9 +300,12 @@ class Dispatcher:
 
     def no_worker_retry_after(self, model: str) -> int:
         """``Retry-After`` (whole seconds, ≥ 1) of a 503 for ``model`` with no ready replica:
-        until its booting replica is expected ready (``EndpointSet.ready_in_s``), else
-        ``NO_WORKER_RETRY_AFTER_S``."""
+        until its booting replica is expected ready (``EndpointSet.ready_in_s``); with none
+        listed yet (a hold shorter than the autoscaler's tick), a whole boot
+        (``EndpointSet.boot_s``); else ``NO_WORKER_RETRY_AFTER_S``."""
         soon = self.endpoints.ready_in_s(model, self.clock())
+        if soon is None:
+            soon = self.endpoints.boot_s
         return NO_WORKER_RETRY_AFTER_S if soon is None else \
             min(MAX_RETRY_AFTER_S, max(1, math.ceil(soon)))
 
