@@ -258,3 +258,34 @@ def test_a_burst_starts_a_worker_at_the_next_supervisor_round(tmp_path: Path):
 def test_the_drivers_refuse_configs_the_policy_cannot_use(bad):
     with pytest.raises(ValueError):
         Config(**bad)
+
+
+def test_idle_seconds_count_from_the_first_decision_not_from_before_the_boot(tmp_path: Path):
+    """A break-it pass: the first worker took 12.5 s to boot and ``idleSeconds: 10`` took the
+    service to zero 1 s after the ready banner; the idle time now starts at the driver's
+    first snapshot (the supervisor ticks once the workers are healthy)."""
+    demand, retired = Demand(), []
+    workers = [child("worker-0", "http://a")]
+    now = [0.0]
+
+    def router(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"workers": [
+                {"url": "http://a", "ready": True, "listed": True, "in_flight": 0}]})
+        return httpx.Response(200, json={"models": demand.snapshot()})
+
+    config = Config(min_replicas=0, max_replicas=1, scale_to_zero=True, idle_s=10.0,
+                    capacity_rps=1.0, boot_s=5.0, scale_down_window_s=5.0)
+    scaler = LocalAutoscaler(MODEL, config, "http://router", tmp_path / "workers.json",
+                             add_worker=lambda: None, retire_worker=retired.append,
+                             workers=workers, clock=lambda: now[0])
+    client = httpx.Client(transport=httpx.MockTransport(router))
+    now[0] = 12.5  # the boot
+    scaler.tick(client)
+    for t in (13.0, 18.0, 22.0):
+        now[0] = t
+        scaler.tick(client)
+        assert len(scaler.workers) == 1, t  # idle 9.5 s, not 22
+    now[0] = 23.0
+    scaler.tick(client)
+    assert scaler.workers == [] and scaler.state.replicas == 0

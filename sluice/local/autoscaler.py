@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +103,9 @@ class LocalAutoscaler:
             return
         self._next = now + self.interval
         last, self._last = self._last, (now, demand)
-        if last is None:
-            return  # the first snapshot only starts the window
+        if last is None:  # the first snapshot only starts the window, and the idle time:
+            self.state = replace(self.state, last_active=now)  # the workers' boot is none
+            return
         urls = {w.url for w in self.workers}
         ready = sum(1 for url, w in seen.items() if url in urls and w.get("ready"))
         obs = observe(self.model, {ROUTER: last[1]}, {ROUTER: demand}, max(now - last[0], 1e-3),
