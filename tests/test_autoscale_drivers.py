@@ -222,6 +222,18 @@ def test_a_drain_that_outlives_its_deadline_is_stopped(tmp_path: Path):
     assert retired == ["worker-1"]
 
 
+def router_client(demand: Demand, workers: list) -> httpx.Client:
+    """The router's two GETs the driver makes, answered by a MockTransport from a real
+    ``Demand``; only ``http://a`` is ready."""
+    def router(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"workers": [
+                {"url": w.url, "ready": w.url == "http://a", "listed": True, "in_flight": 0}
+                for w in workers]})
+        return httpx.Response(200, json={"models": demand.snapshot()})
+    return httpx.Client(transport=httpx.MockTransport(router))
+
+
 def test_a_burst_starts_a_worker_at_the_next_supervisor_round(tmp_path: Path):
     """Decisions come every 0.5 s (the supervisor's period), not every 2 s: a burst's first
     seconds are what the interval costs. The router's two GETs are answered by a
@@ -229,13 +241,6 @@ def test_a_burst_starts_a_worker_at_the_next_supervisor_round(tmp_path: Path):
     demand, started = Demand(), []
     workers = [child("worker-0", "http://a")]
     now = [0.0]
-
-    def router(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(200, json={"workers": [
-                {"url": w.url, "ready": w.url == "http://a", "listed": True, "in_flight": 0}
-                for w in workers]})
-        return httpx.Response(200, json={"models": demand.snapshot()})
 
     def add_worker():
         started.append(now[0])
@@ -245,7 +250,7 @@ def test_a_burst_starts_a_worker_at_the_next_supervisor_round(tmp_path: Path):
                              "http://router", tmp_path / "workers.json", add_worker=add_worker,
                              retire_worker=lambda c: None, workers=workers,
                              clock=lambda: now[0])
-    client = httpx.Client(transport=httpx.MockTransport(router))
+    client = router_client(demand, workers)
     scaler.tick(client)  # the first snapshot opens the window
     for _ in range(4):
         demand.arrived(MODEL)
@@ -267,19 +272,12 @@ def test_idle_seconds_count_from_the_first_decision_not_from_before_the_boot(tmp
     demand, retired = Demand(), []
     workers = [child("worker-0", "http://a")]
     now = [0.0]
-
-    def router(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(200, json={"workers": [
-                {"url": "http://a", "ready": True, "listed": True, "in_flight": 0}]})
-        return httpx.Response(200, json={"models": demand.snapshot()})
-
     config = Config(min_replicas=0, max_replicas=1, scale_to_zero=True, idle_s=10.0,
                     capacity_rps=1.0, boot_s=5.0, scale_down_window_s=5.0)
     scaler = LocalAutoscaler(MODEL, config, "http://router", tmp_path / "workers.json",
                              add_worker=lambda: None, retire_worker=retired.append,
                              workers=workers, clock=lambda: now[0])
-    client = httpx.Client(transport=httpx.MockTransport(router))
+    client = router_client(demand, workers)
     now[0] = 12.5  # the boot
     scaler.tick(client)
     for t in (13.0, 18.0, 22.0):
