@@ -511,7 +511,8 @@ def test_router_follows_inferenceservices_and_ready_endpoints(cluster, tmp_path)
     with serve(args, port, timeout=30, log=tmp_path / "router.log") as url, \
             httpx.Client(base_url=url, timeout=10) as http, ThreadPoolExecutor(4) as pool:
         def ask(model=MODEL):
-            return http.post("/v1/chat/completions", json={"model": model, "messages": []})
+            return http.post("/v1/chat/completions", json={  # a valid body: at zero ready
+                "model": model, "messages": [{"role": "user", "content": "hi"}]})  # it is checked
 
         def workers():
             return {w["url"]: w for w in http.get("/health").json()["workers"]}

@@ -880,7 +880,7 @@ def test_at_zero_a_request_no_worker_would_take_is_refused_without_waking_one(tm
         for path, body, param in [
                 ("/v1/chat/completions", {**chat, "max_tokens": -1}, "max_tokens"),
                 ("/v1/chat/completions", {**chat, "temperature": "hot"}, "temperature"),
-                ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0},
+                ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -2},
                  "max_tokens")]:
             r = httpx.post(f"{url}{path}", json=body, timeout=10)
             assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text

@@ -124,11 +124,11 @@ class _GenerationRequest(_Lenient):
     """
 
     model: str | None = None
-    # >= 1 here, so the router refuses a bad value itself (at zero replicas, a request
-    # that only a worker refused woke a replica first); the prompt length is checked by
-    # the worker (max_tokens_for())
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    # >= 0 here (0 only with echo), so the router refuses a negative value itself (at zero
+    # replicas, a request that only a worker refused woke a replica first); 0 without echo
+    # and the prompt length are checked by the worker (max_tokens_for())
+    max_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_INT32)
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)
