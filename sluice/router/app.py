@@ -214,7 +214,8 @@ async def _to_model(request: Request, state: RouterState, body: dict[str, Any], 
             exc.status, str(exc), "invalid_request_error" if exc.status == 400 else
             "permission_error", exc.param, None if exc.status == 400 else "priority_not_allowed"),
             tenant, charge)
-    if not state.endpoints.ready_for(model) and path in REQUESTS:
+    at_zero = not state.endpoints.ready_for(model)
+    if at_zero and path in REQUESTS:
         try:  # at zero replicas: what a worker would refuse must not wake one first
             parse(REQUESTS[path], body)
         except APIError as exc:
@@ -222,7 +223,7 @@ async def _to_model(request: Request, state: RouterState, body: dict[str, Any], 
                                                      exc.param, exc.code), tenant, charge)
     state.dispatcher.demand.arrived(model)
     try:
-        if not state.endpoints.ready_for(model) and not await unless_disconnected(
+        if at_zero and not await unless_disconnected(
                 request.receive, state.dispatcher.hold(model)):
             return _no_ready_worker(state, model, charge)
         released = not state.dispatcher.admit_now(routing) and await unless_disconnected(
