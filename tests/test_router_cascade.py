@@ -191,8 +191,9 @@ def test_a_client_that_leaves_aborts_the_running_tier(router, worker_url, qwen_w
 def test_readme_cascade_commands_under_sluice_up(tmp_path):
     """README's cascade section, as written: `sluice up -f examples/cascade.yaml`, its curl
     (the answer names its tier), then `sluice cascade record` of four arithmetic problems
-    (one block of four per tier) through that router (answers cut at 48 tokens: the plumbing is under test, not the
-    models) and `sluice cascade calibrate` on what it recorded."""
+    (one block of four per tier) through that router (answers cut at 48 tokens: the plumbing
+    is under test, not the models), `sluice cascade calibrate` on what it recorded, and
+    `sluice cascade check` of the served cascade against the replay of those records."""
     import re
     import subprocess
     import sys
@@ -230,5 +231,21 @@ def test_readme_cascade_commands_under_sluice_up(tmp_path):
                                    timeout=300)
         assert calibrate.returncode == 0, calibrate.stderr[-3000:]
         assert "escalation:" in calibrate.stdout and "  threshold: " in calibrate.stdout
+        # the live cascade (the example's threshold) against its replay on those records
+        report = tmp_path / "check.json"
+        check = subprocess.run([*cli, "check", "--url", up.url, "--manifest",
+                                str(ROOT / "examples" / "cascade.yaml"), "--cascade", "coder",
+                                "--records", str(records), "--max-tokens", "48",
+                                "--concurrency", "4", "--out", str(report)],
+                               capture_output=True, text=True, timeout=1200)
+        assert check.returncode == 0, check.stderr[-3000:]
+        result = json.loads(report.read_text())
+        compared = result["comparison"]
+        assert compared["items"] == 4 and result["failed"] == []
+        assert {a["tier"] for a in result["answers"]} <= {"smollm2", "qwen-coder"}
+        # a first-tier answer that scored as recorded was judged as the replay judges it:
+        # with two tiers, the same score means the same answering tier
+        assert compared["same_score"] >= 1
+        assert compared["same_tier"] >= compared["same_score"]
     finally:
         up.close()

@@ -1,12 +1,17 @@
-"""``sluice cascade record | calibrate``: record every tier's answers, then set the threshold.
+"""``sluice cascade record | calibrate | check``: record every tier's answers, set the
+threshold, then check the live cascade against its replay.
 
     sluice cascade record --url http://127.0.0.1:8000 --cascade coder --tiers small,big \\
         --set mix --out records.jsonl            # resumable: rerun to continue
     sluice cascade calibrate --records records.jsonl --tiers small,big \\
         --target-top-share 0.3 [--pre-route-share 0.1] [--out calibration.json]
 
+    sluice cascade check --url http://127.0.0.1:8000 --manifest cascade.yaml --cascade coder \
+        --records records.jsonl --sample 24 [--out check.json]
+
 ``calibrate`` prints a table (each tier alone, the cascade on all items, the held-out
-halves) and the YAML to paste under ``spec.cascade``.
+halves) and the YAML to paste under ``spec.cascade``; ``check`` sends a sample of the recorded
+items to the served cascade and compares its answers with the replay's (``live``).
 """
 
 from __future__ import annotations
@@ -81,9 +86,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--out", default=None, help="write the results as JSON here")
 
+    chk = sub.add_parser("check", help="send recorded items to the served cascade and "
+                         "compare its answers with the replay of its spec on the records")
+    chk.add_argument("--url", default="http://127.0.0.1:8000", help="the router")
+    chk.add_argument("--manifest", required=True,
+                     help="the InferenceServices the router serves (the cascade's spec)")
+    chk.add_argument("--cascade", required=True, help="the cascade's served model name")
+    chk.add_argument("--records", required=True, help="JSONL from `sluice cascade record`")
+    chk.add_argument("--sample", type=positive_count, default=None,
+                     help="items, a seeded sample of those every tier answered (default all)")
+    chk.add_argument("--seed", type=int, default=0)
+    chk.add_argument("--concurrency", type=positive_count, default=8,
+                     help="requests in flight (default 8, like record's --batch 8)")
+    chk.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per answer")
+    chk.add_argument("--max-tokens", type=positive_count, default=None,
+                     help="completion tokens per answer, as recorded (default: record's)")
+    chk.add_argument("--out", default=None, help="write the comparison and answers as JSON")
+
 
 def run(args: argparse.Namespace) -> int:
-    return record(args) if args.action == "record" else calibrate(args)
+    return {"record": record, "calibrate": calibrate, "check": check}[args.action](args)
 
 
 def record(args: argparse.Namespace) -> int:
@@ -160,6 +182,55 @@ def calibrate(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def check(args: argparse.Namespace) -> int:
+    from sluice.cascade import live, recorder
+    from sluice.cascade.calibrate import Replay, load_records
+    from sluice.cascade.evalset import items_by_id
+    from sluice.cascade.policy import CascadePolicy
+    from sluice.cascade.tiers import manifest_cascades
+
+    try:
+        served = manifest_cascades(args.manifest)
+        if args.cascade not in served:
+            raise ValueError(f"{args.manifest} serves no cascade named {args.cascade!r} "
+                             f"(it serves: {', '.join(served) or 'none'})")
+        spec = served[args.cascade].spec
+        replay = Replay.build(load_records(args.records), spec.tiers, spec.escalation.signal,
+                              spec.escalation.quantile, spec.tier_costs())
+        if not len(replay):
+            raise ValueError(f"no item in {args.records} has a record for every tier of "
+                             f"{args.cascade} ({', '.join(spec.tiers)})")
+        pre_routed = live.pre_routed_ids(replay, CascadePolicy.from_spec(spec, spec.tiers))
+        ids = live.sample(replay, args.sample, args.seed)
+        limits = None if args.max_tokens is None else dict.fromkeys(
+            recorder.MAX_TOKENS, args.max_tokens)
+        answers, failed = live.ask_all(items_by_id(ids), args.url, args.cascade, spec.tiers,
+                                       max_tokens=limits, concurrency=args.concurrency,
+                                       timeout_s=args.timeout)
+        result = live.compare(replay, spec.escalation.threshold, pre_routed, answers)
+    except (OSError, ValueError, ImportError, recorder.RecordError) as e:
+        print(f"sluice cascade check: {e}", file=sys.stderr)
+        return 2
+    n = result.items
+    print(f"{args.cascade} ({' → '.join(spec.tiers)}, threshold "
+          f"{spec.escalation.threshold:g}): {n} items live, {len(failed)} failed")
+    print(f"  accuracy   live {result.live_accuracy:.1%}   replay {result.replay_accuracy:.1%}"
+          f"   (right only live {result.live_only}, only in the replay {result.replay_only}; "
+          f"McNemar p = {result.p_value:.3f}: "
+          f"{'within noise' if result.within_noise else 'a real difference'})")
+    print(f"  top share  live {result.live_top_share:.1%}   replay {result.replay_top_share:.1%}")
+    print(f"  same tier as the replay on {result.same_tier}/{n}; the judged tier's score equal "
+          f"to the recorded one on {result.same_score}/{n}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "cascade": args.cascade, "tiers": list(spec.tiers), "records": args.records,
+            "threshold": spec.escalation.threshold, "signal": spec.escalation.signal,
+            "sample": ids, "failed": failed, "comparison": result.to_json(),
+            "answers": [vars(a) for a in answers]}, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 1 if failed else 0
 
 
 def table(replay, outcome, splits):

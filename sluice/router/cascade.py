@@ -37,8 +37,7 @@ from fastapi.responses import Response
 from starlette.requests import Request
 
 from sluice.cascade.policy import BadCascadeHeader, CascadePolicy, Scores
-from sluice.api.service import load_manifests
-from sluice.cascade.tiers import Resolved, resolve_cascades
+from sluice.cascade.tiers import Resolved, manifest_cascades as resolve_manifest
 from sluice.router.metrics import RouterMetrics
 from sluice.router.proxy import CLIENT_CLOSED, openai_error
 from sluice.router.relay import ClientDisconnected, RelayResponse, unless_disconnected
@@ -81,18 +80,13 @@ def cascades_of(resolved: Mapping[str, Resolved]) -> dict[str, Cascade]:
 
 
 def manifest_cascades(path: str) -> dict[str, Cascade]:
-    """The cascades of an InferenceService manifest file, tiers resolved within it.
+    """The cascades of an InferenceService manifest file (``sluice.cascade.tiers.
+    manifest_cascades``) as the router's ``Cascade``s.
 
     Raises:
-        ValueError: the file does not validate, or a cascade's tiers do not resolve (the
-            message names the InferenceService and the field).
+        ValueError: as ``sluice.cascade.tiers.manifest_cascades``.
     """
-    services = load_manifests(path)
-    resolved, problems = resolve_cascades(
-        {s.metadata.name: (s.spec.model.name, s.spec.cascade) for s in services})
-    if problems:
-        raise ValueError("; ".join(f"{name}: {problem}" for name, problem in problems.items()))
-    return cascades_of(resolved)
+    return cascades_of(resolve_manifest(path))
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:

@@ -1,0 +1,124 @@
+"""`sluice cascade check`'s parts on known inputs: McNemar's exact p-values, the comparison of
+live answers with the replay, the requests it sends (an in-process httpx transport; the real
+router and workers are in test_router_cascade's README test), the items regenerated from
+their ids, and the CLI's refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.cascade import live
+from sluice.cascade.calibrate import Replay
+from sluice.cascade.evalset import arithmetic_problems, items_by_id
+from sluice.cascade.live import LiveAnswer, compare, mcnemar_p
+from sluice.cascade.recorder import RecordError
+from test_cascade_calibrate import TIERS, rec, sse, ten, write
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("b", "c", "p"), [
+    (0, 0, 1.0), (3, 3, 1.0), (5, 0, 2 / 32), (0, 6, 2 / 64), (1, 4, 2 * 6 / 32),
+    (2, 9, 2 * (1 + 11 + 55) / 2048)])
+def test_mcnemar_exact_p_values(b, c, p):
+    assert mcnemar_p(b, c) == pytest.approx(p)
+
+
+def test_mcnemar_refuses_negative_counts():
+    with pytest.raises(ValueError, match="-1"):
+        mcnemar_p(-1, 2)
+
+
+def test_compare_counts_tiers_scores_and_discordant_items():
+    """ten() at threshold -1: items 0-4 stay on small (right), 5-9 go to big (right but 9).
+    Live: item 0 as replayed; item 4 escalated (its small answer scored -1.2 live, not
+    -0.9) and right; item 5 as replayed; item 9 stayed on small and was right; item 7 was
+    pre-routed and wrong."""
+    replay = Replay.build(ten(), TIERS, costs=[1, 4])
+    answers = [LiveAnswer("item-0", "small", False, -0.1, True, 20, 1.0),
+               LiveAnswer("item-4", "big", True, -1.2, True, 20, 1.0),
+               LiveAnswer("item-5", "big", True, -1.1, True, 20, 1.0),
+               LiveAnswer("item-9", "small", False, -0.3, True, 20, 1.0),
+               LiveAnswer("item-7", "big", False, None, False, 20, 1.0)]
+    c = compare(replay, -1.0, {"item-7"}, answers)
+    assert (c.items, c.same_tier, c.same_score) == (5, 3, 2)
+    # replay: 0 right, 4 right, 5 right, 9 wrong, 7 right (big) → live only 9, replay only 7
+    assert (c.live_only, c.replay_only) == (1, 1)
+    assert (c.live_accuracy, c.replay_accuracy) == (0.8, 0.8)
+    assert (c.live_top_share, c.replay_top_share) == (0.6, 0.6)
+    assert c.p_value == 1.0 and c.within_noise and c.to_json()["within_noise"] is True
+
+
+def test_compare_refuses_an_item_or_tier_the_replay_lacks():
+    replay = Replay.build(ten(), TIERS)
+    with pytest.raises(ValueError, match="item-99"):
+        compare(replay, -1.0, (), [LiveAnswer("item-99", "small", False, -0.1, True, 1, 1.0)])
+    with pytest.raises(ValueError, match="'medium'"):
+        compare(replay, -1.0, (), [LiveAnswer("item-1", "medium", False, -0.1, True, 1, 1.0)])
+    with pytest.raises(ValueError, match="no live answers"):
+        compare(replay, -1.0, (), [])
+
+
+def test_sample_is_seeded_and_keeps_the_replay_order():
+    replay = Replay.build(ten(), TIERS)
+    picked = live.sample(replay, 4, seed=3)
+    assert picked == live.sample(replay, 4, seed=3) and len(picked) == 4
+    assert picked == sorted(picked, key=replay.ids.index)
+    assert live.sample(replay, None) == live.sample(replay, 50) == list(replay.ids)
+
+
+def test_ask_all_sends_the_cascade_name_and_lets_the_router_decide():
+    """No x-sluice-cascade header: the router's policy picks the tier; the answer's tier,
+    escalation and score come from its headers; an answer from a tier the cascade does not
+    have is refused."""
+    items = arithmetic_problems(2, seed=1, steps=2, max_value=20)
+    seen = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((body["model"], request.headers.get("x-sluice-cascade")))
+        item = next(i for i in items if i.prompt == body["messages"][0]["content"])
+        escalate = item is items[1]
+        response = sse("big" if escalate else "small", [f"Answer: {item.answer}"],
+                       [[{"token": "x", "logprob": -0.2, "top_logprobs": []}]],
+                       {"prompt_tokens": 9, "completion_tokens": 7})
+        response.headers["x-sluice-escalated"] = "true" if escalate else "false"
+        response.headers["x-sluice-score"] = "-1.5000" if escalate else "-0.2000"
+        return response
+
+    client = httpx.Client(transport=httpx.MockTransport(answer))
+    answers, failed = live.ask_all(items, "http://router", "coder", TIERS, concurrency=2,
+                                   client=client)
+    assert seen == [("coder", None)] * 2 and failed == []
+    assert [(a.id, a.tier, a.escalated, a.score, a.correct, a.completion_tokens)
+            for a in answers] == [(items[0].id, "small", False, -0.2, True, 7),
+                                  (items[1].id, "big", True, -1.5, True, 7)]
+    with pytest.raises(RecordError, match="'small'.*not a tier of coder"):
+        live.ask_all(items[:1], "http://router", "coder", ["tiny", "big"], client=client)
+
+
+def test_items_by_id_regenerates_arithmetic_and_refuses_unknown_ids():
+    want = arithmetic_problems(6, seed=0, steps=4, max_value=100)[5]
+    assert items_by_id(["arith-0-4x100-5"]) == [want]
+    with pytest.raises(ValueError, match="'nope-1'"):
+        items_by_id(["nope-1"])
+
+
+def test_check_cli_refuses_a_cascade_the_manifest_does_not_serve(tmp_path):
+    records = write(tmp_path / "r.jsonl", [rec("arith-0-2x20-0", t, True, -0.1) for t in TIERS])
+    cli = [sys.executable, "-m", "sluice.cli", "cascade", "check", "--url", "http://127.0.0.1:9",
+           "--manifest", str(ROOT / "examples" / "cascade.yaml"), "--records", str(records)]
+    wrong = subprocess.run([*cli, "--cascade", "nope"], capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2
+    assert "serves no cascade named 'nope' (it serves: coder)" in wrong.stderr
+    # the records hold no item answered by the cascade's tiers (smollm2, qwen-coder)
+    empty = subprocess.run([*cli, "--cascade", "coder"], capture_output=True, text=True,
+                           timeout=60)
+    assert empty.returncode == 2 and "no item in" in empty.stderr
