@@ -217,6 +217,7 @@ def test_record_asks_each_tier_once_and_resumes(tmp_path):
     assert [(r.id, r.tier) for r in records] == [(i.id, t) for i in items for t in TIERS]
     assert records[1].scores == Scores(-0.5, -0.5, -0.5, 0.0, 3)
     assert (records[1].prompt_tokens, records[1].prompt) == (50, items[0].prompt)
+    assert records[1].max_tokens == 384  # what the check asks with again
     again = recorder.record(items, TIERS, "http://router", "coder", out, client=client,
                             progress=False)
     assert (again.recorded, again.skipped, len(asked)) == (0, 4, 4)

@@ -6,8 +6,10 @@ their ids, and the CLI's refusals."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -15,9 +17,11 @@ import pytest
 
 from sluice.cascade import live
 from sluice.cascade.calibrate import Replay
+from sluice.cascade.cli import _router
 from sluice.cascade.evalset import arithmetic_problems, items_by_id
 from sluice.cascade.live import LiveAnswer, compare, mcnemar_p
-from sluice.cascade.recorder import RecordError
+from sluice.cascade.recorder import RecordError, user_message
+from sluice.cascade.records import load_records
 from test_cascade_calibrate import TIERS, rec, sse, ten, write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,10 +108,53 @@ def test_ask_all_sends_the_cascade_name_and_lets_the_router_decide():
 
 
 def test_items_by_id_regenerates_arithmetic_and_refuses_unknown_ids():
-    want = arithmetic_problems(6, seed=0, steps=4, max_value=100)[5]
-    assert items_by_id(["arith-0-4x100-5"]) == [want]
+    problems = arithmetic_problems(6, seed=0, steps=4, max_value=100)
+    assert items_by_id(["arith-0-4x100-5", "arith-0-4x100-1"]) == [problems[5], problems[1]]
     with pytest.raises(ValueError, match="'nope-1'"):
         items_by_id(["nope-1"])
+    # bounded before generating: an index of 10^8 took minutes and gigabytes
+    with pytest.raises(ValueError, match="index 100000000 is past 100,000"):
+        items_by_id(["arith-0-4x100-100000000"])
+    with pytest.raises(ValueError, match="steps 99999999 is past 64"):
+        items_by_id(["arith-0-99999999x100-0"])
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        items_by_id(["arith-0-0x0-0"])
+
+
+def test_a_prompt_that_is_not_the_recorded_one_is_refused():
+    """The live side must ask what the replay's answers answered."""
+    item = arithmetic_problems(1, seed=0, steps=2, max_value=20)[0]
+    same = [rec(item.id, t, True, -0.1, prompt=user_message(item)) for t in TIERS]
+    live.check_prompts([item], Replay.build(same, TIERS))
+    other = [replace(r, prompt="Kenji has 88 shells.") for r in same]
+    with pytest.raises(ValueError, match=f"{item.id}: the recorded prompt is not"):
+        live.check_prompts([item], Replay.build(other, TIERS))
+
+
+def test_each_item_is_asked_with_its_recorded_limit():
+    a, b = arithmetic_problems(2, seed=0, steps=2, max_value=20)
+    records = [replace(rec(a.id, t, True, -0.1), max_tokens=32) for t in TIERS]
+    records += [rec(b.id, t, True, -0.1) for t in TIERS]  # recorded before the limit was kept
+    assert live.recorded_limits([a, b], records, TIERS) == {a.id: 32, b.id: 384}
+    assert live.recorded_limits([a, b], records, TIERS, override=16) == {a.id: 16, b.id: 16}
+
+
+def test_a_line_that_is_not_a_record_is_named(tmp_path):
+    path = tmp_path / "r.jsonl"
+    for line, why in [("[1, 2]", "not a record (a JSON object)"),
+                      ("{}", "not a record (no 'scores')"),
+                      ('{"scores": 3}', "not a record (TypeError")]:
+        path.write_text(line + "\n")
+        with pytest.raises(ValueError, match=re.escape(f"{path}:1: {why}")):
+            load_records(path)
+    path.write_bytes(b"\x86\xff\n")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        load_records(path)
+
+
+def test_the_router_url_may_be_the_v1_base_that_sluice_up_prints():
+    assert _router("http://127.0.0.1:8000/v1") == _router("http://127.0.0.1:8000/") == \
+        "http://127.0.0.1:8000"
 
 
 def test_check_cli_refuses_a_cascade_the_manifest_does_not_serve(tmp_path):
@@ -122,3 +169,28 @@ def test_check_cli_refuses_a_cascade_the_manifest_does_not_serve(tmp_path):
     empty = subprocess.run([*cli, "--cascade", "coder"], capture_output=True, text=True,
                            timeout=60)
     assert empty.returncode == 2 and "no item in" in empty.stderr
+    missing = subprocess.run([*cli[:-2], "--records", str(tmp_path / "absent.jsonl"),
+                              "--cascade", "coder"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "absent.jsonl: no such file" in missing.stderr
+    # --out is checked before any request: not the records, not a folder that is missing
+    clobber = subprocess.run([*cli, "--cascade", "coder", "--out", str(records)],
+                             capture_output=True, text=True, timeout=60)
+    assert clobber.returncode == 2 and "would overwrite the records" in clobber.stderr
+    nowhere = subprocess.run([*cli, "--cascade", "coder", "--out", str(tmp_path / "no" / "x")],
+                             capture_output=True, text=True, timeout=60)
+    assert nowhere.returncode == 2 and "its directory does not exist" in nowhere.stderr
+
+
+def test_check_cli_says_when_every_request_failed(tmp_path):
+    """Nothing listens at the URL: each item is tried 3 times, then one line says so."""
+    item = arithmetic_problems(1, seed=0, steps=2, max_value=20)[0]
+    records = write(tmp_path / "r.jsonl", [rec(item.id, t, True, -0.1)
+                                           for t in ("smollm2", "qwen-coder")])
+    out = subprocess.run([sys.executable, "-m", "sluice.cli", "cascade", "check", "--url",
+                          "http://127.0.0.1:9", "--manifest", str(ROOT / "examples" / "cascade.yaml"),
+                          "--cascade", "coder", "--records", str(records)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().endswith("sluice cascade check: all 1 requests failed: is the "
+                                       "router at http://127.0.0.1:9 up and serving the cascade? "
+                                       "(the warnings above say why)")

@@ -6,7 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 
-from sluice.router.cascade import _hold, _replay, _stream_logprobs, prompt_text
+from fastapi.responses import Response
+from starlette.requests import Request
+
+from sluice.api.service import CascadeSpec
+from sluice.cascade.policy import CascadePolicy
+from sluice.router.cascade import Cascade, _hold, _replay, _stream_logprobs, prompt_text, serve
+from sluice.router.metrics import RouterMetrics
+from sluice.router.relay import RelayResponse
 
 
 def event(data: dict) -> bytes:
@@ -87,3 +94,39 @@ def test_prompt_text():
 
 async def _collect(agen):
     return [chunk async for chunk in agen]
+
+
+def test_a_first_tier_whose_stream_breaks_escalates_as_a_tier_error():
+    """The worker died mid-answer: the router's relay ends the stream with an error event.
+    That partial answer is not judged (no score, no low-score escalation): the next tier
+    answers, counted as a tier error (found by killing a worker under `sluice cascade
+    check`: the cut answer was scored and counted as low-score)."""
+    spec = CascadeSpec(tiers=["small", "big"], escalation={"threshold": -100.0})
+    cascade = Cascade("coder", CascadePolicy.from_spec(spec, ["small-model", "big-model"]))
+    metrics = RouterMetrics()
+    broken = (completion_chunk("a", -0.1) + completion_chunk("b", -0.2)
+              + event({"error": {"message": "the worker stream broke: ServerDisconnectedError",
+                                 "type": "server_error", "param": None,
+                                 "code": "upstream_error"}}) + b"data: [DONE]\n\n")
+    asked = []
+
+    async def send(body: dict, final: bool):
+        asked.append((body["model"], final))
+        if body["model"] == "small-model":
+            return RelayResponse(chunks_of(broken, 16), 200, {})
+        return Response(b'{"choices": []}', 200, {})
+
+    async def receive():
+        await asyncio.sleep(60)  # the client stays
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    body = {"model": "coder", "prompt": "hi", "stream": True, "max_tokens": 8}
+    response = run(serve(request, cascade, body, send, metrics))
+    assert asked == [("small-model", False), ("big-model", True)]
+    assert response.headers["x-sluice-tier"] == "big"
+    assert response.headers["x-sluice-escalated"] == "true"
+    assert "x-sluice-score" not in response.headers
+    reasons = {s.labels["reason"]: s.value for s in metrics.cascade_escalations.collect()[0].samples
+               if s.name.endswith("_total")}
+    assert reasons == {"tier-error": 1.0}

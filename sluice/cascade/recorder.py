@@ -222,7 +222,7 @@ def post(client: httpx.Client, base_url: str, body: dict, headers: dict[str, str
         logger.warning("%s, try %d: %s", label, attempt + 1, problem)
         if attempt < retries:
             time.sleep(2.0 ** attempt)
-    logger.error("%s: left out after %d tries (a rerun retries it)", label, retries + 1)
+    logger.error("%s: left out after %d tries", label, retries + 1)
     return None
 
 
@@ -235,7 +235,7 @@ def _ask(client: httpx.Client, base_url: str, model: str, item: Item, tier: str,
          max_tokens: int, quantile: float, retries: int) -> Record | None:
     answered = post(client, base_url, request_body(model, item, max_tokens),
                     {HEADER: tier, **BATCH_HEADERS}, retries, f"{item.id} on {tier}")
-    return None if answered is None else _parse(item, tier, *answered, quantile)
+    return None if answered is None else _parse(item, tier, *answered, quantile, max_tokens)
 
 
 class _StreamError(Exception):
@@ -266,7 +266,7 @@ def _read_stream(response: httpx.Response) -> dict:
 
 
 def _parse(item: Item, tier: str, headers: httpx.Headers, answer: dict, seconds: float,
-           quantile: float) -> Record:
+           quantile: float, max_tokens: int) -> Record:
     answered_by = headers.get("x-sluice-tier")
     if answered_by is not None and answered_by != tier:
         raise RecordError(f"asked tier {tier!r}, {answered_by!r} answered: is {HEADER} honoured?")
@@ -281,7 +281,7 @@ def _parse(item: Item, tier: str, headers: httpx.Headers, answer: dict, seconds:
                   answer_scores(logprobs, alternatives, quantile), quantile, tuple(logprobs),
                   int(usage.get("prompt_tokens", 0)), completion_tokens, text[:ANSWER_CHARS],
                   round(seconds, 3), prompt,
-                  examples_pass(prompt, text) if item.kind == "code" else None)
+                  examples_pass(prompt, text) if item.kind == "code" else None, max_tokens)
 
 
 def _end_with_newline(path: Path) -> None:

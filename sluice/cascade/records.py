@@ -53,6 +53,8 @@ class Record:
         prompt: the text the router's pre-route reads ("" when not recorded).
         examples: for code, ``evalset.examples_pass``: whether the answer passes the
             prompt's ``>>>`` examples (None: not code, no examples, or not recorded).
+        max_tokens: the completion-token limit the answer was asked with (None: recorded
+            before it was kept, with the recorder's defaults).
     """
 
     id: str
@@ -68,6 +70,7 @@ class Record:
     seconds: float = 0.0
     prompt: str = ""
     examples: bool | None = None
+    max_tokens: int | None = None
 
     def score(self, signal: str, quantile: float = DEFAULT_QUANTILE) -> float:
         """The signal's score; a quantile other than ``q`` is recomputed from ``logprobs``.
@@ -95,29 +98,56 @@ class Record:
                    Scores(**s), q, tuple(float(x) for x in data["logprobs"]),
                    int(data["prompt_tokens"]), int(data["completion_tokens"]),
                    data.get("answer", ""), float(data.get("seconds", 0.0)),
-                   data.get("prompt", ""), data.get("examples"))
+                   data.get("prompt", ""), data.get("examples"),
+                   None if data.get("max_tokens") is None else int(data["max_tokens"]))
 
 
-def _lines(path: Path) -> Iterable[dict]:
-    """The parsed lines of a JSONL file; a torn last line (a crash mid-write) is skipped."""
+def _lines(path: Path) -> Iterable[tuple[int, dict]]:
+    """(line number, parsed object) of a JSONL file; a line that is not JSON (a torn write,
+    after a crash) is skipped with a warning.
+
+    Raises:
+        ValueError: a line that is JSON but not an object, or a file that is not UTF-8 text
+            (naming the file and line).
+    """
     if not path.exists():
         return
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                logger.warning("%s:%d: not JSON, skipped (a torn write?)", path, n)
+    with path.open(encoding="utf-8") as f:
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError:
+                    logger.warning("%s:%d: not JSON, skipped (a torn write?)", path, n)
+                    continue
+                if not isinstance(data, dict):
+                    raise ValueError(f"{path}:{n}: not a record (a JSON object): {line[:80]!r}")
+                yield n, data
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def load_records(path: str | Path) -> list[Record]:
-    """Every record of a JSONL file, in file order (a later duplicate wins in ``Replay``)."""
-    return [Record.from_json(d) for d in _lines(Path(path))]
+    """Every record of a JSONL file, in file order (a later duplicate wins in ``Replay``).
+
+    Raises:
+        ValueError: a line that is not a record (naming the file, the line and what is
+            wrong), or a file that is not UTF-8 text.
+    """
+    records = []
+    for n, data in _lines(Path(path)):
+        try:
+            records.append(Record.from_json(data))
+        except (KeyError, TypeError, ValueError) as e:
+            what = f"no {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise ValueError(f"{path}:{n}: not a record ({what})") from None
+    return records
 
 
 def done_pairs(path: str | Path) -> set[tuple[str, str]]:
     """The (item id, tier) pairs already recorded in ``path`` (empty if it does not exist):
     what a resumed ``record`` skips."""
-    return {(str(d["id"]), str(d["tier"])) for d in _lines(Path(path)) if "id" in d and "tier" in d}
+    return {(str(d["id"]), str(d["tier"])) for _, d in _lines(Path(path))
+            if "id" in d and "tier" in d}

@@ -195,7 +195,8 @@ async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier:
 
     Returns:
         the held answer, or the tier's response when it did not answer 200 (or 499 when
-        the client left while a stream was held).
+        the client left while a stream was held, 502 when a stream held to its end carries
+        an error event: the worker failed mid-answer, so its partial answer is not judged).
     """
     strip = not _asked_logprobs(body, chat)
     internal = {**body, "model": cascade.policy.models[tier]}
@@ -224,6 +225,8 @@ async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier:
         return Response(status_code=CLIENT_CLOSED)
     if done:
         await response.chunks.aclose()  # type: ignore[attr-defined]
+        if any("error" in (_data(e) or {}) for e in events):  # the stream broke, or the
+            return Response(status_code=502)  # worker failed mid-answer: a tier error
     per_choice = _stream_logprobs(events, chat)
     return Held(_worst(cascade.policy, per_choice), sum(map(len, per_choice)), events=events,
                 partial=partial, rest=None if done else response.chunks, strip=strip,
