@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     rec = sub.add_parser("record", help="record every tier's answers to an eval set "
                          "through the router (resumable)")
-    rec.add_argument("--url", type=_router, default="http://127.0.0.1:8000", help="the router")
+    _router_arguments(rec)
     rec.add_argument("--cascade", required=True, help="the cascade's served model name")
     rec.add_argument("--tiers", type=_names, required=True,
                      help="tier InferenceService names, smallest first, comma-separated")
@@ -68,7 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="arithmetic: operations per problem")
     rec.add_argument("--max-value", type=positive_count, default=100,
                      help="arithmetic: number size")
-    rec.add_argument("--timeout", type=_timeout, default=600.0, help="seconds per answer")
     rec.add_argument("--max-tokens", type=positive_count, default=None,
                      help="completion tokens per answer, every kind (default: 384 for "
                      "arithmetic, 512 for code)")
@@ -95,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     chk = sub.add_parser("check", help="send recorded items to the served cascade and "
                          "compare its answers with the replay of its spec on the records")
-    chk.add_argument("--url", type=_router, default="http://127.0.0.1:8000", help="the router")
+    _router_arguments(chk)
     chk.add_argument("--manifest", required=True,
                      help="the InferenceServices the router serves (the cascade's spec)")
     chk.add_argument("--cascade", required=True, help="the cascade's served model name")
@@ -105,12 +104,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chk.add_argument("--seed", type=int, default=0)
     chk.add_argument("--concurrency", type=positive_count, default=8,
                      help="requests in flight (default 8, like record's --batch 8)")
-    chk.add_argument("--timeout", type=_timeout, default=600.0, help="seconds per answer")
     chk.add_argument("--max-tokens", type=positive_count, default=None,
                      help="completion tokens per answer (default: each item's recorded limit; "
                      "record's defaults for records that lack it)")
     chk.add_argument("--out", type=output_file, default=None,
                      help="write the comparison and answers as JSON")
+
+
+def _router_arguments(parser: argparse.ArgumentParser) -> None:
+    """What record and check both send requests with: the router, a timeout per answer."""
+    parser.add_argument("--url", type=_router, default="http://127.0.0.1:8000",
+                        help="the router")
+    parser.add_argument("--timeout", type=_timeout, default=600.0, help="seconds per answer")
 
 
 def run(args: argparse.Namespace) -> int:
