@@ -6,7 +6,7 @@ threshold, then check the live cascade against its replay.
     sluice cascade calibrate --records records.jsonl --tiers small,big \\
         --target-top-share 0.3 [--pre-route-share 0.1] [--out calibration.json]
 
-    sluice cascade check --url http://127.0.0.1:8000 --manifest cascade.yaml --cascade coder \
+    sluice cascade check --url http://127.0.0.1:8000 --manifest cascade.yaml --cascade coder \\
         --records records.jsonl --sample 24 [--out check.json]
 
 ``calibrate`` prints a table (each tier alone, the cascade on all items, the held-out

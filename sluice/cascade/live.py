@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
@@ -110,7 +110,7 @@ def mcnemar_p(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def compare(replay: Replay, threshold: float, pre_routed: Sequence[str],
+def compare(replay: Replay, threshold: float, pre_routed: Collection[str],
             answers: Sequence[LiveAnswer]) -> Comparison:
     """Each live answer against the replay's prediction for its item.
 
@@ -237,10 +237,11 @@ def ask_all(items: Sequence[Item], base_url: str, model: str, tiers: Sequence[st
                           None if score is None else float(score), check(item, answer["text"]),
                           int(answer["usage"].get("completion_tokens", 0)), round(seconds, 3))
 
+    pool = ThreadPoolExecutor(concurrency)
     try:
-        with ThreadPoolExecutor(concurrency) as pool:
-            results = list(pool.map(ask, items))
-    finally:
+        results = list(pool.map(ask, items))
+    finally:  # on a RecordError, the requests not sent yet are not sent
+        pool.shutdown(wait=False, cancel_futures=True)
         if own:
             client.close()
     return ([r for r in results if r is not None],
