@@ -194,3 +194,16 @@ def test_check_cli_says_when_every_request_failed(tmp_path):
     assert out.stderr.strip().endswith("sluice cascade check: all 1 requests failed: is the "
                                        "router at http://127.0.0.1:9 up and serving the cascade? "
                                        "(the warnings above say why)")
+
+
+def test_the_live_checks_manifest_serves_its_cascade():
+    """bench/cascade_live.yaml (the issue's live run) validates, and its cascade resolves to
+    the two Qwen tiers at the threshold the committed check ran with."""
+    from sluice.cascade.tiers import manifest_cascades
+
+    served = manifest_cascades(ROOT / "bench" / "cascade_live.yaml")
+    assert list(served) == ["coder-15"]
+    assert served["coder-15"].models == ("Qwen2.5-Coder-0.5B-Instruct",
+                                         "Qwen2.5-Coder-1.5B-Instruct")
+    ran = json.loads((ROOT / "bench" / "results" / "cascade_live.json").read_text())
+    assert served["coder-15"].spec.escalation.threshold == ran["threshold"]
