@@ -37,6 +37,12 @@ def http_url(text: str) -> str:
     return text.strip().rstrip("/")
 
 
+def server_url(text: str) -> str:
+    """An OpenAI server's base URL (``http_url``) for a client command; the ``.../v1`` that
+    ``sluice up`` and OpenAI SDKs use as the base is taken too (the client adds ``/v1/...``)."""
+    return http_url(text).removesuffix("/v1")
+
+
 def number(unit: str = "", minimum: float = 0.0, strict: bool = False,
            maximum: float = math.inf, below: bool = False) -> Callable[[str], float]:
     """An argparse type for a finite number (of ``unit``) ≥ ``minimum`` (> it when

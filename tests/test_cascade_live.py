@@ -17,7 +17,7 @@ import pytest
 
 from sluice.cascade import live
 from sluice.cascade.calibrate import Replay
-from sluice.cascade.cli import _router
+from sluice.argtypes import server_url
 from sluice.cascade.evalset import arithmetic_problems, items_by_id
 from sluice.cascade.live import LiveAnswer, compare, mcnemar_p
 from sluice.cascade.recorder import RecordError, user_message
@@ -153,7 +153,7 @@ def test_a_line_that_is_not_a_record_is_named(tmp_path):
 
 
 def test_the_router_url_may_be_the_v1_base_that_sluice_up_prints():
-    assert _router("http://127.0.0.1:8000/v1") == _router("http://127.0.0.1:8000/") == \
+    assert server_url("http://127.0.0.1:8000/v1") == server_url("http://127.0.0.1:8000/") == \
         "http://127.0.0.1:8000"
 
 

@@ -16,9 +16,9 @@ import sys
 
 from rich.console import Console
 
-from sluice.argtypes import (count, http_url, json_object, number, output_dir, output_file,
+from sluice.argtypes import (count, json_object, number, output_dir, output_file,
                              percent, positive, positive_count, positive_milliseconds,
-                             positive_seconds, whole)
+                             positive_seconds, server_url, whole)
 from sluice.bench import report, schedule, workload
 from sluice.bench.runner import LoadConfig, run as run_load
 
@@ -32,8 +32,8 @@ MAX_CONCURRENCY = 100_000
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("target")
-    g.add_argument("--url", type=http_url, required=True,
-                   help="server base URL, e.g. http://127.0.0.1:8000")
+    g.add_argument("--url", type=server_url, required=True,
+                   help="server base URL, e.g. http://127.0.0.1:8000 (or .../v1)")
     g.add_argument("--model", required=True, help="model name sent in each request")
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions (prompt) or /v1/chat/completions (one user message)")

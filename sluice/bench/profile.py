@@ -45,7 +45,8 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
-from sluice.argtypes import count, percent, positive_count, positive_milliseconds, positive_seconds
+from sluice.argtypes import (count, percent, positive_count, positive_milliseconds,
+                             positive_seconds, server_url)
 from sluice.bench import report, schedule, steps as step_profile, workload
 from sluice.bench.client import RequestRecord
 from sluice.bench.runner import LoadConfig, run as run_load
@@ -56,7 +57,7 @@ DEFAULT_RATES = "0.25,0.5,1,1.5,2,3,4,6,8"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", help="worker or router base URL, e.g. "
+    parser.add_argument("--url", type=server_url, help="worker or router base URL, e.g. "
                         "http://127.0.0.1:8001 (one replica behind it); required without --steps")
     parser.add_argument("--model", required=True, help="model name sent in each request "
                         "(with --steps: a store name or converted model folder)")

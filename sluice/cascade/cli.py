@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from sluice.argtypes import http_url, number, output_file, positive_count
+from sluice.argtypes import number, output_file, positive_count, server_url
 from sluice.cascade.policy import SIGNALS
 
 
@@ -44,11 +44,6 @@ def _costs(text: str) -> list[float]:
 
 _fraction = number(maximum=1.0)  # a quantile, a share of requests
 _timeout = number("seconds", strict=True, maximum=86_400.0)  # per answer
-
-
-def _router(text: str) -> str:
-    """The router's base URL; the ``.../v1`` that ``sluice up`` prints is taken too."""
-    return http_url(text).removesuffix("/v1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _router_arguments(parser: argparse.ArgumentParser) -> None:
     """What record and check both send requests with: the router, a timeout per answer."""
-    parser.add_argument("--url", type=_router, default="http://127.0.0.1:8000",
+    parser.add_argument("--url", type=server_url, default="http://127.0.0.1:8000",
                         help="the router")
     parser.add_argument("--timeout", type=_timeout, default=600.0, help="seconds per answer")
 
