@@ -106,6 +106,15 @@ def test_ask_all_sends_the_cascade_name_and_lets_the_router_decide():
     with pytest.raises(RecordError, match="'small'.*not a tier of coder"):
         live.ask_all(items[:1], "http://router", "coder", ["tiny", "big"], client=client)
 
+    def openai_server(request: httpx.Request) -> httpx.Response:  # not a Sluice router
+        response = sse("x", ["Answer: 1"], [[]], {"completion_tokens": 1})
+        del response.headers["x-sluice-tier"]
+        return response
+
+    plain = httpx.Client(transport=httpx.MockTransport(openai_server))
+    with pytest.raises(RecordError, match="no x-sluice-tier header: is http://router a Sluice"):
+        live.ask_all(items[:1], "http://router", "coder", TIERS, client=plain)
+
 
 def test_items_by_id_regenerates_arithmetic_and_refuses_unknown_ids():
     problems = arithmetic_problems(6, seed=0, steps=4, max_value=100)
@@ -179,6 +188,20 @@ def test_check_cli_refuses_a_cascade_the_manifest_does_not_serve(tmp_path):
     nowhere = subprocess.run([*cli, "--cascade", "coder", "--out", str(tmp_path / "no" / "x")],
                              capture_output=True, text=True, timeout=60)
     assert nowhere.returncode == 2 and "its directory does not exist" in nowhere.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["check", "--timeout", "1e300"], "argument --timeout: must be finite and > 0 and <= 86400 seconds, got 1e300"),
+    (["calibrate", "--tiers", "a,b", "--out", "/nonexistent/x.json"],
+     "argument --out: /nonexistent/x.json: its directory does not exist")])
+def test_cascade_cli_refuses_bad_flags_when_parsing(tmp_path, args, message):
+    records = write(tmp_path / "r.jsonl", [rec("arith-0-2x20-0", t, True, -0.1) for t in TIERS])
+    common = {"check": ["--manifest", str(ROOT / "examples" / "cascade.yaml"), "--cascade",
+                        "coder", "--records", str(records)],
+              "calibrate": ["--records", str(records)]}[args[0]]
+    out = subprocess.run([sys.executable, "-m", "sluice.cli", "cascade", *args, *common],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
 def test_check_cli_says_when_every_request_failed(tmp_path):
