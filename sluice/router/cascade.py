@@ -225,8 +225,9 @@ async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier:
         return Response(status_code=CLIENT_CLOSED)
     if done:
         await response.chunks.aclose()  # type: ignore[attr-defined]
-        if any("error" in (_data(e) or {}) for e in events):  # the stream broke, or the
-            return Response(status_code=502)  # worker failed mid-answer: a tier error
+        # the relay's (or the worker's) error event ends a stream, just before [DONE]
+        if any("error" in (_data(e) or {}) for e in events[-2:]):  # broke mid-answer:
+            return Response(status_code=502)  # a tier error, not an answer to judge
     per_choice = _stream_logprobs(events, chat)
     return Held(_worst(cascade.policy, per_choice), sum(map(len, per_choice)), events=events,
                 partial=partial, rest=None if done else response.chunks, strip=strip,
