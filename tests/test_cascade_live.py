@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,10 +84,12 @@ def test_ask_all_sends_the_cascade_name_and_lets_the_router_decide():
     have is refused."""
     items = arithmetic_problems(2, seed=1, steps=2, max_value=20)
     seen = []
+    both_in_flight = threading.Barrier(2, timeout=10)  # concurrency=2: sent together
 
     def answer(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         seen.append((body["model"], request.headers.get("x-sluice-cascade")))
+        both_in_flight.wait()
         item = next(i for i in items if i.prompt == body["messages"][0]["content"])
         escalate = item is items[1]
         response = sse("big" if escalate else "small", [f"Answer: {item.answer}"],
@@ -103,6 +106,7 @@ def test_ask_all_sends_the_cascade_name_and_lets_the_router_decide():
     assert [(a.id, a.tier, a.escalated, a.score, a.correct, a.completion_tokens)
             for a in answers] == [(items[0].id, "small", False, -0.2, True, 7),
                                   (items[1].id, "big", True, -1.5, True, 7)]
+    both_in_flight = threading.Barrier(1)
     with pytest.raises(RecordError, match="'small'.*not a tier of coder"):
         live.ask_all(items[:1], "http://router", "coder", ["tiny", "big"], client=client)
 
