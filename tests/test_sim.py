@@ -242,6 +242,10 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
     assert 0 < data["capacity_rps"] <= data["max_rps"]
     assert data["dominance"] == report.dominance(data["policies"])
     assert sum(data["dominance"]["static"].values()) == 1
+    # the oracle's replicas per interval (a baseline's dominance counts overwrote it once)
+    schedule = data["oracle_schedule"]
+    assert isinstance(schedule, list) and schedule and all(
+        isinstance(n, int) and n >= 1 for n in schedule)
     captured = capsys.readouterr()
     assert "sluice" in captured.out and "sluice vs static: at no more replica-hours" in captured.err
 

@@ -185,10 +185,10 @@ def run(args: argparse.Namespace) -> int:
              f"{args.routing} (d={args.candidates}): one row per policy run")
     Console(width=max(140, Console().width)).print(report.table(rows, title))
     dominance = report.dominance(rows)
-    for family, counts in dominance.items():
+    for family, runs in dominance.items():
         err.print(f"sluice vs {family}: at no more replica-hours, sluice is higher on "
-                  f"{counts['beaten']}, equal on {counts['tied']}, lower on {counts['ahead']} "
-                  f"of its runs ({counts['cheaper']} cheaper than any sluice run)")
+                  f"{runs['beaten']}, equal on {runs['tied']}, lower on {runs['ahead']} "
+                  f"of its runs ({runs['cheaper']} cheaper than any sluice run)")
     if args.output:
         out = {"trace": str(args.trace), "requests": len(trace), "span_s": trace.span_s,
                "scale_requests": args.scale_requests, "boot_s": args.boot_time,
