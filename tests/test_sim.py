@@ -442,3 +442,13 @@ def test_the_committed_validation_against_real_workers():
                           yaml.safe_load((root / "examples/smollm2.yaml").read_text())["spec"])
     assert again["real"] == pytest.approx(data["real"])
     assert again["simulated"] == pytest.approx(data["simulated"])
+
+
+def test_a_scale_past_memory_is_refused_before_building_it():
+    """--scale-requests 10^9 on a trace built ~2 x 10^11 requests in memory, with no word."""
+    from sluice.sim import trace as traces
+
+    small = traces.Trace([0.0, 1.0], [10, 10], [5, 5], [(), ()])
+    assert len(traces.scale(small, 3).arrival_s) == 6
+    with pytest.raises(ValueError, match="--scale-requests 1000000000 makes 2,000,000,000"):
+        traces.scale(small, 10**9)

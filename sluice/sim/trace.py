@@ -63,11 +63,21 @@ def load(path: str | Path, limit: int | None = None) -> Trace:
                  [r.output_tokens for r in rows], [r.hash_ids for r in rows])
 
 
+MAX_REQUESTS = 20_000_000  # a scaled trace's requests (1M take ~220 MiB of RSS in all)
+
+
 def scale(trace: Trace, k: int, seed: int = 0) -> Trace:
     """``k`` times the requests, each copy within 1 s after its original (see the module
-    docstring); k = 1 returns ``trace``."""
+    docstring); k = 1 returns ``trace``.
+
+    Raises ValueError for k < 1, or more than ``MAX_REQUESTS`` requests in all (they are
+    held in memory: 10^9 of them grew by ~290 MiB a second until the machine ran out).
+    """
     if k < 1:
         raise ValueError("scale needs k ≥ 1")
+    if len(trace.arrival_s) * k > MAX_REQUESTS:
+        raise ValueError(f"--scale-requests {k} makes {len(trace.arrival_s) * k:,} requests; "
+                         f"at most {MAX_REQUESTS:,} fit in memory")
     if k == 1:
         return trace
     rng = random.Random(seed)
