@@ -373,27 +373,46 @@ def test_client_disconnect_aborts_generation(worker_url, streamed):
                                 first_token.set()
                 else:
                     r = await client.post(f"{worker_url}/v1/completions", json=body)
-                    raise AssertionError(f"answered before the client left: {r.status_code}")
+                    raise AssertionError(
+                        f"answered {time.monotonic() - start:.1f} s after it was sent, before "
+                        f"the client left ({scrapes} scrapes, the last read {seen}): "
+                        f"{r.status_code} {r.text[:300]}")
 
-            def busy() -> float:
-                return metric(worker_url, names.NUM_RUNNING) + metric(worker_url, names.NUM_WAITING)
+            def busy() -> tuple[float, float]:
+                """(running + waiting, generation tokens) from one scrape."""
+                text = httpx.get(f"{worker_url}/metrics", timeout=10).text
+                value = {names.NUM_RUNNING: 0.0, names.NUM_WAITING: 0.0,
+                         names.GENERATION_TOKENS: 0.0}
+                for fam in text_string_to_metric_families(text):
+                    for s in fam.samples:
+                        if s.name in value:
+                            value[s.name] += s.value
+                return (value[names.NUM_RUNNING] + value[names.NUM_WAITING],
+                        value[names.GENERATION_TOKENS])
 
-            task = asyncio.create_task(request())
-            # a stream is in the engine once a token came; a plain request once the gauges
-            # say so (vLLM's move once its engine core has run a step): poll, do not guess,
-            # and judge by the scrape that ended the wait (a second one raced vLLM's stats)
+            def in_engine(reading: tuple[float, float]) -> bool:
+                # the gauges are vLLM's per-step snapshot; the token counter is the worker's
+                # own count of what it handed on, which a scrape between steps cannot miss
+                return reading[0] >= 1 or reading[1] > tokens_before
+
+            tokens_before = busy()[1]
             start = time.monotonic()
-            seen = 0.0
-            while not (first_token.is_set() or seen >= 1) and not task.done() \
+            task = asyncio.create_task(request())
+            # a stream is in the engine once a token came; a plain request once a scrape
+            # says so: poll, do not guess, and judge by the scrape that ended the wait
+            scrapes, seen = 0, (0.0, tokens_before)
+            while not (first_token.is_set() or in_engine(seen)) and not task.done() \
                     and time.monotonic() < start + 60:
                 if not streamed:
                     seen = await asyncio.to_thread(busy)
+                    scrapes += 1
                 await asyncio.sleep(0.1)
             if task.done():
                 task.result()  # raises what ended the request early
-            assert first_token.is_set() or seen >= 1, \
+            assert first_token.is_set() or in_engine(seen), \
                 f"the request was not in the engine after {time.monotonic() - start:.1f} s " \
-                f"(running + waiting: {seen:g})"
+                f"({scrapes} scrapes; running + waiting, generation tokens: {seen}, " \
+                f"{tokens_before:g} tokens before)"
             task.cancel()  # closes the connection
             await asyncio.gather(task, return_exceptions=True)
             return time.monotonic()
