@@ -6,9 +6,11 @@ bench/results/cascade_records.jsonl so anyone (and CI) can replay it. Figures:
 
 - each tier alone, per kind (arithmetic, code): accuracy; and the kinds where a smaller tier
   beats the top one;
-- per signal (logprob quantile at q = 0.05, 0.1, 0.25; min logprob; mean logprob; and
-  ``examples``: q = 0.1 with code that fails its prompt's ``>>>`` examples sent up), the curve
-  of accuracy and compute against the share of requests answered by the top tier, one point
+- per signal (logprob quantile at q = 0.05, 0.1, 0.25; min logprob; mean logprob;
+  ``examples``: q = 0.1 with code that fails its prompt's ``>>>`` examples sent up; and
+  ``q0.1 prefixK``: the router's ``prefix`` streaming mode, q = 0.1 over each answer's first K
+  tokens, an escalated answer paying its prompt and those K tokens only), the curve of
+  accuracy and compute against the share of requests answered by the top tier, one point
   per candidate threshold, over all items (the PNG);
 - held-out: for targets 0.2 / 0.3 / 0.4 of top-tier share, 20 random halves, threshold
   calibrated on one half (``calibrate.threshold_for_share``) and measured on the other:
@@ -38,13 +40,15 @@ sys.path.insert(0, str(ROOT))
 
 from sluice.cascade.calibrate import Replay, held_out, load_records  # noqa: E402
 
-SIGNALS = {  # label → (signal, quantile)
-    "q0.05": ("logprob-quantile", 0.05),
-    "q0.1": ("logprob-quantile", 0.1),
-    "q0.25": ("logprob-quantile", 0.25),
-    "min": ("min-logprob", 0.1),
-    "mean": ("mean-logprob", 0.1),
-    "examples": ("code-examples", 0.1),  # q0.1, and code failing its prompt's examples
+SIGNALS = {  # label → (signal, quantile, prefix tokens: None judges the whole answer)
+    "q0.05": ("logprob-quantile", 0.05, None),
+    "q0.1": ("logprob-quantile", 0.1, None),
+    "q0.25": ("logprob-quantile", 0.25, None),
+    "min": ("min-logprob", 0.1, None),
+    "mean": ("mean-logprob", 0.1, None),
+    "examples": ("code-examples", 0.1, None),  # q0.1, and code failing its prompt's examples
+    "q0.1 prefix16": ("logprob-quantile", 0.1, 16),  # spec.cascade.streaming's default K
+    "q0.1 prefix32": ("logprob-quantile", 0.1, 32),
 }
 DEFAULT = "q0.1"  # spec.cascade.escalation's defaults
 TARGETS = {"accuracy": 0.95, "top_share": 0.40, "cost": 0.75}
@@ -71,8 +75,8 @@ def main() -> int:
     tiers = args.tiers.split(",") if args.tiers else list(dict.fromkeys(r.tier for r in records))
     costs = [float(c) for c in args.costs.split(",")] if args.costs else None
     targets = [float(t) for t in args.targets.split(",")]
-    replays = {label: Replay.build(records, tiers, signal, q, costs)
-               for label, (signal, q) in SIGNALS.items()}
+    replays = {label: Replay.build(records, tiers, signal, q, costs, prefix)
+               for label, (signal, q, prefix) in SIGNALS.items()}
     base = replays[DEFAULT]
     if len(base) < 4:
         print(f"{path}: {len(base)} items answered by every tier of {tiers}; need >= 4",

@@ -95,6 +95,37 @@ def test_other_signals_and_quantiles_replay_from_the_logprobs():
     assert back == r and r.to_json()["scores"]["q"] == 0.1
 
 
+def prefixed(i: int, tier: str, correct: bool, head: float) -> Record:
+    """A 40-token answer whose first 16 tokens have logprob ``head`` and the rest -3.0."""
+    logprobs = (head,) * 16 + (-3.0,) * 24
+    return Record(f"item-{i}", "code", tier, correct, answer_scores(logprobs), 0.1, logprobs,
+                  10, 40)
+
+
+def test_prefix_mode_judges_the_first_k_tokens_and_pays_only_them_when_escalating():
+    records = [prefixed(0, "small", True, -0.1), prefixed(0, "big", True, -0.1),
+               prefixed(1, "small", False, -2.0), prefixed(1, "big", True, -0.1)]
+    assert records[0].score("logprob-quantile", 0.1, prefix_tokens=16) == pytest.approx(-0.1)
+    assert records[0].score("logprob-quantile", 0.1) == pytest.approx(-3.0)  # the whole answer
+    assert records[1].score("min-logprob", prefix_tokens=4) == pytest.approx(-0.1)
+    assert (records[0].escalation_tokens(), records[0].escalation_tokens(16),
+            records[0].escalation_tokens(99)) == (50, 26, 50)
+    whole = Replay.build(records, TIERS, costs=COSTS).simulate(-1.0)
+    prefix = Replay.build(records, TIERS, costs=COSTS, prefix_tokens=16).simulate(-1.0)
+    # judged whole, both small answers look unsure (-3.0) and both escalate: 2 x (50 + 200)
+    assert (whole.top_share, whole.cost, whole.wasted) == (1.0, 250.0, 50.0)
+    # judged on 16 tokens, item 0 stays small (50); item 1 pays 10 + 16 tokens, then 200
+    assert (prefix.top_share, prefix.accuracy) == (0.5, 1.0)
+    assert prefix.cost == pytest.approx((50 + 26 + 200) / 2) and prefix.wasted == 13.0
+    with pytest.raises(ValueError, match="no prefix mode"):
+        Replay.build(records, TIERS, signal="code-examples", prefix_tokens=16)
+    with pytest.raises(ValueError, match="positive"):
+        Replay.build(records, TIERS, prefix_tokens=0)
+    text = snippet(-1.0, prefix_tokens=16)
+    spec = CascadeSpec.model_validate({"tiers": TIERS, **yaml.safe_load(text)})
+    assert (spec.streaming.mode, spec.streaming.prefix_tokens) == ("prefix", 16)
+
+
 def test_items_missing_a_tier_are_left_out():
     replay = Replay.build(ten() + [rec("lonely", "small", True, -0.1)], TIERS)
     assert len(replay) == 10 and "lonely" not in replay.ids
@@ -310,6 +341,12 @@ def test_cli_calibrate_prints_the_snippet(tmp_path):
     result = json.loads(out.read_text())
     assert result["items"] == 40 and result["all_items"]["top_share"] <= 0.5
     assert set(result["held_out"]) >= {"relative_accuracy", "top_share", "relative_cost"}
+    prefix = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "cascade", "calibrate", "--records", str(path),
+         "--tiers", "small,big", "--splits", "4", "--prefix-tokens", "16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert prefix.returncode == 0, prefix.stderr[-2000:]
+    assert "streaming:\n  mode: prefix\n  prefixTokens: 16\n" in prefix.stdout
     missing = subprocess.run(
         [sys.executable, "-m", "sluice.cli", "cascade", "calibrate", "--records",
          str(tmp_path / "none.jsonl"), "--tiers", "small,big"],
@@ -332,7 +369,8 @@ def test_bench_cascade_writes_its_json(tmp_path):
     assert {"tier_accuracy", "tier_relative_cost", "curves", "held_out", "pre_route",
             "verdict", "smaller_tier_better_at"} <= set(result)
     assert result["tiers"] == ["small", "big"]  # the file's order
-    assert set(result["curves"]) == {"q0.05", "q0.1", "q0.25", "min", "mean", "examples"}
+    assert set(result["curves"]) == {"q0.05", "q0.1", "q0.25", "min", "mean", "examples",
+                                     "q0.1 prefix16", "q0.1 prefix32"}
     assert set(result["held_out"]["q0.1"]) == {"0.2", "0.3", "0.4"}
     assert result["tier_accuracy"]["code"]["big"] == 0.8  # 9, 19, 29, 39 are code
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -9,7 +9,10 @@ what the cascade would have done, with the router's rule (``CascadePolicy.escala
          └─▶ tier 0 ──▶ score < threshold and not the top? ──▶ tier 1 ──▶ ... ──▶ answers
 
 Accuracy is the answering tier's; cost counts every tier visited, (prompt + completion
-tokens) × the tier's relative cost, so tokens of answers that escalated are paid for.
+tokens) × the tier's relative cost, so tokens of answers that escalated are paid for. A replay
+of the router's ``prefix`` streaming mode (``prefix_tokens``) scores each answer's first K
+tokens and pays an escalated answer's prompt and those K tokens only: the router closes its
+stream there (plain, non-streamed answers are always judged whole).
 
 The record format is ``sluice.cascade.records``.
 """
@@ -87,9 +90,12 @@ class Replay:
     Attributes:
         tiers: InferenceService names, smallest first; costs: their relative costs.
         signal, quantile: what ``scores`` holds.
+        prefix_tokens: the ``prefix`` streaming mode's K (None: answers judged whole).
         ids, kinds, prompts: per item.
-        correct, spent, scores: per item, per tier: ``check`` passed; (prompt + completion
-            tokens) × the tier's cost; the signal's score. Shape [items][tiers].
+        correct, spent, escalated, scores: per item, per tier: ``check`` passed; (prompt +
+            completion tokens) × the tier's cost; what the tier costs when its answer
+            escalates (``Record.escalation_tokens`` × cost); the signal's score. Shape
+            [items][tiers].
     """
 
     tiers: tuple[str, ...]
@@ -101,18 +107,27 @@ class Replay:
     prompts: tuple[str, ...]
     correct: tuple[tuple[bool, ...], ...]
     spent: tuple[tuple[float, ...], ...]
+    escalated: tuple[tuple[float, ...], ...]
     scores: tuple[tuple[float, ...], ...]
+    prefix_tokens: int | None = None
 
     @classmethod
     def build(cls, records: Iterable[Record], tiers: Sequence[str],
               signal: str = "logprob-quantile", quantile: float = DEFAULT_QUANTILE,
-              costs: Sequence[float] | None = None) -> Replay:
+              costs: Sequence[float] | None = None,
+              prefix_tokens: int | None = None) -> Replay:
         """Items missing a tier are left out (logged); a later record of a pair wins.
 
+        Args:
+            prefix_tokens: replay the ``prefix`` streaming mode with this K (None: answers
+                judged whole, the ``buffer`` mode's and plain answers' rule).
+
         Raises:
-            ValueError: an unknown signal, fewer than 2 tiers, or costs not one positive
-                number per tier.
+            ValueError: an unknown signal, fewer than 2 tiers, costs not one positive
+                number per tier, a ``prefix_tokens`` below 1, or ``code-examples`` with it.
         """
+        if prefix_tokens is not None and prefix_tokens < 1:
+            raise ValueError(f"prefix_tokens {prefix_tokens} is not a positive count")
         if signal not in SIGNALS + REPLAY_SIGNALS:
             raise ValueError(f"signal {signal!r} is not one of "
                              f"{', '.join(SIGNALS + REPLAY_SIGNALS)}")
@@ -136,7 +151,11 @@ class Replay:
                    tuple(tuple(r.correct for r in row) for row in rows),
                    tuple(tuple((r.prompt_tokens + r.completion_tokens) * c
                                for r, c in zip(row, costs)) for row in rows),
-                   tuple(tuple(r.score(signal, quantile) for r in row) for row in rows))
+                   tuple(tuple(r.escalation_tokens(prefix_tokens) * c
+                               for r, c in zip(row, costs)) for row in rows),
+                   tuple(tuple(r.score(signal, quantile, prefix_tokens) for r in row)
+                         for row in rows),
+                   prefix_tokens)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -151,7 +170,8 @@ class Replay:
             return tuple(column[i] for i in indices)
         return replace(self, ids=pick(self.ids), kinds=pick(self.kinds),
                        prompts=pick(self.prompts), correct=pick(self.correct),
-                       spent=pick(self.spent), scores=pick(self.scores))
+                       spent=pick(self.spent), escalated=pick(self.escalated),
+                       scores=pick(self.scores))
 
     def tier_accuracy(self, kind: str | None = None) -> dict[str, float]:
         """Each tier alone: tier → accuracy over the items (of ``kind``, if given)."""
@@ -182,7 +202,7 @@ class Replay:
         for i in range(n):
             skip = self.ids[i] in pre_routed
             tier = self.answering_tier(i, threshold, skip)
-            paid = self.spent[i][tier] if skip else sum(self.spent[i][:tier + 1])
+            paid = self.spent[i][tier] + (0.0 if skip else sum(self.escalated[i][:tier]))
             answered[tier] += 1
             right += self.correct[i][tier]
             cost += paid
@@ -369,9 +389,10 @@ def _camel(name: str) -> str:
 
 def snippet(threshold: float, signal: str = "logprob-quantile",
             quantile: float = DEFAULT_QUANTILE, pre_route: PreRoute | None = None,
-            comment: str = "") -> str:
-    """The YAML to paste under ``spec.cascade`` (keys ``escalation`` and, with a pre-route
-    model, ``preRoute``), camelCase as the CRD spells them; ``comment`` goes on top."""
+            comment: str = "", prefix_tokens: int | None = None) -> str:
+    """The YAML to paste under ``spec.cascade`` (keys ``escalation``, with a pre-route
+    model ``preRoute``, and with ``prefix_tokens`` ``streaming``), camelCase as the CRD
+    spells them; ``comment`` goes on top."""
     lines = [f"# {line}" for line in comment.splitlines()]
     lines += ["escalation:", f"  signal: {signal}"]
     if signal == "logprob-quantile":
@@ -382,4 +403,6 @@ def snippet(threshold: float, signal: str = "logprob-quantile",
         lines += [f"    {_camel(f)}: {round(pre_route.weights[f], 6)!r}" for f in FEATURES]
         lines += [f"  bias: {round(pre_route.bias, 6)!r}",
                   f"  threshold: {round(pre_route.threshold, 6)!r}"]
+    if prefix_tokens is not None:
+        lines += ["streaming:", "  mode: prefix", f"  prefixTokens: {prefix_tokens}"]
     return "\n".join(lines) + "\n"

@@ -82,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--pre-route-share", type=_fraction, default=None,
                      help="fit a pre-route model that sends at most this share straight to "
                      "the top tier (default: no pre-route)")
+    cal.add_argument("--prefix-tokens", type=positive_count, default=None,
+                     help="calibrate for streams in the prefix mode: judge each answer's "
+                     "first K tokens, and pay only those for one that escalates (default: "
+                     "answers judged whole, the buffer mode and plain answers)")
     cal.add_argument("--splits", type=positive_count, default=20, help="held-out random halves")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--out", type=output_file, default=None,
@@ -148,7 +152,7 @@ def calibrate(args: argparse.Namespace) -> int:
         return 2
     try:
         replay = Replay.build(load_records(path), args.tiers, args.signal, args.quantile,
-                              args.costs)
+                              args.costs, args.prefix_tokens)
         if len(replay) < 4:
             raise ValueError(f"{len(replay)} items answered by every tier of "
                              f"{','.join(args.tiers)}; need >= 4")
@@ -178,11 +182,12 @@ def calibrate(args: argparse.Namespace) -> int:
         f"{args.target_top_share:g}\nheld out ({args.splits} halves): "
         f"{split.relative_accuracy.mean:.1%} of the top tier's accuracy, "
         f"{split.top_share.mean:.1%} at the top tier, {split.relative_cost.mean:.2f} of its cost"
-        "\npaste under spec.cascade:"))
+        "\npaste under spec.cascade:"), prefix_tokens=args.prefix_tokens)
     print(text, end="")
     if args.out:
         result = {"records": str(path), "tiers": list(replay.tiers), "costs": list(replay.costs),
-                  "signal": args.signal, "quantile": args.quantile, "items": len(replay),
+                  "signal": args.signal, "quantile": args.quantile,
+                  "prefix_tokens": args.prefix_tokens, "items": len(replay),
                   "target_top_share": args.target_top_share, "threshold": threshold,
                   "all_items": outcome.to_json(), "held_out": split.to_json(),
                   "held_out_without_pre_route": splits["held out"].to_json(),
@@ -212,8 +217,10 @@ def check(args: argparse.Namespace) -> int:
                              f"(it serves: {', '.join(served) or 'none'})")
         spec = served[args.cascade].spec
         records = load_records(args.records)
+        # check streams its requests, so the spec's streaming mode decides what is judged
+        prefix = spec.streaming.prefix_tokens if spec.streaming.mode == "prefix" else None
         replay = Replay.build(records, spec.tiers, spec.escalation.signal,
-                              spec.escalation.quantile, spec.tier_costs())
+                              spec.escalation.quantile, spec.tier_costs(), prefix)
         if not len(replay):
             raise ValueError(f"no item in {args.records} has a record for every tier of "
                              f"{args.cascade} ({', '.join(spec.tiers)})")

@@ -72,16 +72,39 @@ class Record:
     examples: bool | None = None
     max_tokens: int | None = None
 
-    def score(self, signal: str, quantile: float = DEFAULT_QUANTILE) -> float:
+    def score(self, signal: str, quantile: float = DEFAULT_QUANTILE,
+              prefix_tokens: int | None = None) -> float:
         """The signal's score; a quantile other than ``q`` is recomputed from ``logprobs``.
         ``code-examples`` is the logprob quantile, and -100 (sure to escalate) for code
-        that fails one of its prompt's examples."""
+        that fails one of its prompt's examples.
+
+        Args:
+            prefix_tokens: score only the answer's first K tokens, as the router's ``prefix``
+                streaming mode does (None: the whole answer, ``buffer`` mode and plain
+                answers).
+
+        Raises:
+            ValueError: ``code-examples`` with ``prefix_tokens`` (running the code needs the
+                whole answer).
+        """
         if signal == "code-examples":
+            if prefix_tokens is not None:
+                raise ValueError("the code-examples signal runs the whole answer's code: it "
+                                 "has no prefix mode")
             return -100.0 if self.examples is False else self.score("logprob-quantile",
                                                                     quantile)
+        if prefix_tokens is not None:
+            return answer_scores(self.logprobs[:prefix_tokens], q=quantile).signal(signal)
         if signal == "logprob-quantile" and not math.isclose(quantile, self.q):
             return answer_scores(self.logprobs, q=quantile).quantile
         return self.scores.signal(signal)
+
+    def escalation_tokens(self, prefix_tokens: int | None = None) -> int:
+        """Tokens paid for this answer when it escalates: the prompt and what was generated
+        before the decision (all of it; in ``prefix`` mode at most the first K, after which
+        the router closes the stream and the worker aborts it)."""
+        made = self.completion_tokens
+        return self.prompt_tokens + (made if prefix_tokens is None else min(made, prefix_tokens))
 
     def to_json(self) -> dict:
         out = asdict(self)
