@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -141,10 +142,23 @@ def output_file(text: str) -> str:
 
 def output_dir(text: str) -> str:
     """A directory to write files into: one that exists, or one that can be made (its
-    parent exists and it is not a file)."""
+    parent exists and it is not a file); checked now by writing a file there (and making
+    the directory), which is removed again, like ``output_file``."""
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: not a directory")
     if not path.exists() and not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: its parent directory does not exist")
+    made = not path.exists()
+    try:
+        if made:
+            path.mkdir()
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: cannot write into it ({exc.strerror})") \
+            from None
+    finally:
+        if made and path.is_dir():
+            path.rmdir()
     return text

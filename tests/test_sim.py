@@ -228,7 +228,7 @@ def test_cli_runs_tiny_and_writes_the_json(tmp_path, capsys):
                  "--boot-time", "10", "--output", str(out), "--no-progress"])
     assert code == 0
     data = json.loads(out.read_text())
-    assert set(data) == {"trace", "requests", "span_s", "scale_requests", "boot_s",
+    assert set(data) == {"trace", "requests", "too_large", "span_s", "scale_requests", "boot_s",
                          "boot_jitter", "max_replicas", "slo", "routing", "profile",
                          "capacity_rps", "max_rps", "oracle_schedule", "oracle_step_s",
                          "policies", "dominance", "timeline_fields", "timelines"}
@@ -278,6 +278,7 @@ def test_dominance_sets_each_baseline_run_against_the_cheaper_sluice_frontier():
     (["--policy", "static:replicas=0"], "knob replicas of 'static:replicas=0' must be > 0"),
     (["--policy", "kpa", "--policy", "kpa:"], "--policy kpa: is given twice"),
     (["--policy", "sluice:tick=1e-6"], "knob tick of sluice must be >= 0.1 s, got 1e-06"),
+    (["--profile", "/etc/hostname"], "/etc/hostname: not a step profile (not JSON: "),
     (["--policy", "sluice:down=3,down=4"],
      "knob down of 'sluice:down=3,down=4' is given twice"),
 ])
@@ -310,6 +311,8 @@ def test_cli_refuses_bad_options_at_once_naming_them(tmp_path, capsys, args, mes
     (["--plot", "/nonexistent/plots"],
      "argument --plot: /nonexistent/plots: its parent directory does not exist"),
     (["--plot", "/etc/hostname"], "argument --plot: /etc/hostname: not a directory"),
+    (["--plot", "/proc/sim"],  # found only when the plots were written, after the whole run
+     "argument --plot: /proc/sim: cannot write into it (No such file or directory)"),
 ])
 def test_cli_refuses_bad_numbers_and_paths_when_parsing(capsys, args, message):
     """The numbers are checked by their flags' types: one line naming the flag, exit 2."""
@@ -452,3 +455,33 @@ def test_a_scale_past_memory_is_refused_before_building_it():
     assert len(traces.scale(small, 3).arrival_s) == 6
     with pytest.raises(ValueError, match="--scale-requests 1000000000 makes 2,000,000,000"):
         traces.scale(small, 10**9)
+
+
+def test_a_request_larger_than_a_replicas_kv_pool_is_left_out_and_named(tmp_path, capsys):
+    """Mooncake's 12th conversation request (87,169 + 402 tokens) does not fit the 64k-token
+    pool: it used to wait forever (the run hung, or ended telling you to loosen the TTFT
+    SLO); the worker refuses it with a 400 whatever the fleet, so it is left out, said so."""
+    small = traces.Trace([0.0, 1.0, 2.0], [10, 60_000, 10], [5, 6_000, 5], [(), (), ()])
+    kept, large = traces.without_too_large(small, 65_536)
+    assert (large, kept.prompt, kept.arrival_s) == ([1], [10, 10], [0.0, 2.0])
+    assert traces.without_too_large(small, 66_000)[0] is small
+    prof = tmp_path / "synthetic.json"
+    prof.write_text(json.dumps(SYNTHETIC))
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--trace", f"{TRACES}/mooncake_conversation_trace.jsonl",
+                 "--limit", "50", "--profile", str(prof), "--policy", "static:replicas=2",
+                 "--slo-ttft-ms", "30000", "--boot-time", "10", "--output", str(out),
+                 "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert (data["requests"], data["too_large"]) == (49, 1)
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("left out 1 request that needs more KV than a replica's whole pool (65,536 "
+            "tokens): the worker refuses them with a 400 whatever the fleet (the first: "
+            "request 12 by arrival, 87,169 + 402 tokens)") in err
+    tiny = dict(SYNTHETIC, kv_capacity_tokens=16)
+    prof.write_text(json.dumps(tiny))
+    assert main(["simulate", "--trace", f"{TRACES}/azure2023_conv.csv", "--limit", "5",
+                 "--profile", str(prof), "--policy", "static:replicas=1",
+                 "--no-progress"]) == 2
+    assert "every request needs more KV than a replica's whole pool (16 tokens" in \
+        capsys.readouterr().err

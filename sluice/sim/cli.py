@@ -132,7 +132,12 @@ def run(args: argparse.Namespace) -> int:
         if path is None:
             raise ValueError("no step profile: pass --profile (sluice profile --steps writes one)")
         model = profile.load(path)
-        trace = traces.scale(traces.load(args.trace, args.limit), args.scale_requests, args.seed)
+        loaded = traces.load(args.trace, args.limit)
+        fitting, too_large = traces.without_too_large(loaded, model.kv_capacity_tokens)
+        if not len(fitting):
+            raise ValueError(f"{args.trace}: every request needs more KV than a replica's "
+                             f"whole pool ({model.kv_capacity_tokens:,} tokens in {path})")
+        trace = traces.scale(fitting, args.scale_requests, args.seed)
         config = SimConfig(boot_s=args.boot_time, boot_jitter=args.boot_jitter,
                            max_replicas=args.max_replicas, ttft_slo_s=args.slo_ttft_ms / 1000,
                            itl_slo_s=args.slo_itl_ms / 1000 if args.slo_itl_ms else None,
@@ -141,6 +146,13 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"sluice simulate: {exc}", file=sys.stderr)
         return 2
+    if too_large:
+        first = too_large[0]
+        many = "s that need" if len(too_large) > 1 else " that needs"
+        err.print(f"left out {len(too_large):,} request{many} more KV than a replica's "
+                  f"whole pool ({model.kv_capacity_tokens:,} tokens): the worker refuses them "
+                  f"with a 400 whatever the fleet (the first: request {first + 1} by arrival, "
+                  f"{loaded.prompt[first]:,} + {loaded.output[first]:,} tokens)")
     target = args.attainment / 100
     err.print(f"{len(trace):,} requests over {trace.span_s:,.0f} s; profile {model.model} "
               f"({path})")
@@ -190,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{runs['beaten']}, equal on {runs['tied']}, lower on {runs['ahead']} "
                   f"of its runs ({runs['cheaper']} cheaper than any sluice run)")
     if args.output:
-        out = {"trace": str(args.trace), "requests": len(trace), "span_s": trace.span_s,
+        out = {"trace": str(args.trace), "requests": len(trace), "too_large": len(too_large),
+               "span_s": trace.span_s,
                "scale_requests": args.scale_requests, "boot_s": args.boot_time,
                "boot_jitter": args.boot_jitter, "max_replicas": args.max_replicas,
                "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms,

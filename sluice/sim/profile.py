@@ -93,7 +93,10 @@ def load(path: str | Path) -> StepModel:
     Raises:
         ValueError: a missing field or an invalid value; OSError: an unreadable file.
     """
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a step profile (not JSON: {exc})") from None
     try:
         model = StepModel.from_dict(data)
     except (KeyError, TypeError) as exc:

@@ -63,6 +63,27 @@ def load(path: str | Path, limit: int | None = None) -> Trace:
                  [r.output_tokens for r in rows], [r.hash_ids for r in rows])
 
 
+def without_too_large(trace: Trace, capacity_tokens: int) -> tuple[Trace, list[int]]:
+    """Leave out the requests a replica could never hold: prompt + output tokens over its
+    whole KV pool. The worker refuses those with a 400 whatever the fleet (the native
+    engine's ``check_request``), so they say nothing about autoscaling.
+
+    Returns:
+        the trace without them, and their indices in ``trace`` (arrival order).
+    """
+    large = [i for i, (p, o) in enumerate(zip(trace.prompt, trace.output))
+             if p + o > capacity_tokens]
+    if not large:
+        return trace, large
+    out = set(large)
+    keep = [i for i in range(len(trace)) if i not in out]
+
+    def pick(column: list) -> list:
+        return [column[i] for i in keep]
+    return Trace(pick(trace.arrival_s), pick(trace.prompt), pick(trace.output),
+                 pick(trace.blocks), trace.block_tokens), large
+
+
 MAX_REQUESTS = 20_000_000  # a scaled trace's requests (1M take ~220 MiB of RSS in all)
 
 
