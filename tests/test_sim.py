@@ -278,6 +278,7 @@ def test_dominance_sets_each_baseline_run_against_the_cheaper_sluice_frontier():
     (["--policy", "static:replicas=0"], "knob replicas of 'static:replicas=0' must be > 0"),
     (["--policy", "kpa", "--policy", "kpa:"], "--policy kpa: is given twice"),
     (["--policy", "sluice:tick=1e-6"], "knob tick of sluice must be >= 0.1 s, got 1e-06"),
+    (["--policy", "oracle:step=5"], "the oracle takes no knobs, got 'oracle:step=5'"),
     (["--profile", "/etc/hostname"], "/etc/hostname: not a step profile (not JSON: "),
     (["--policy", "sluice:down=3,down=4"],
      "knob down of 'sluice:down=3,down=4' is given twice"),

@@ -289,8 +289,9 @@ def parse(spec: str) -> tuple[str, dict[str, float]]:
     """``"kpa:target=10,util=0.7"`` → ("kpa", {"target": 10.0, "util": 0.7}).
 
     Raises:
-        ValueError: an unknown policy, a malformed knob, a knob given twice, or a knob out
-            of range (negative, zero where it divides, a fractional replica count).
+        ValueError: an unknown policy, a malformed knob, a knob given twice, a knob out
+            of range (negative, zero where it divides, a fractional replica count), or a
+            knob of the oracle (it takes none).
     """
     name, _, rest = spec.partition(":")
     if name not in POLICIES and name not in ("dynamo-reactive", "oracle"):
@@ -313,6 +314,9 @@ def parse(spec: str) -> tuple[str, dict[str, float]]:
         if key in knobs:
             raise ValueError(f"knob {key} of {spec!r} is given twice")
         knobs[key] = number
+    if name == "oracle" and knobs:
+        raise ValueError(f"the oracle takes no knobs, got {spec!r} (--oracle-step and "
+                         "--oracle-passes set its interval and replays)")
     return name, knobs
 
 
