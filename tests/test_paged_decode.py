@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from sluice.worker.engine import attention
+from sluice.worker.engine import attention, kernels
 from sluice.worker.engine.attention import AttentionMetadata, decode_attention, sdpa_decode
 
 BLOCK_SIZE, HEAD_DIM, NUM_BLOCKS = 16, 64, 1024
@@ -94,54 +94,54 @@ def test_decode_attention_uses_the_kernel_on_cpu_and_sdpa_without_it(kernel, mon
 
 
 def test_switch_off_missing_compiler_and_failed_build_fall_back(monkeypatch, caplog):
-    load = attention._load_paged_decode.__wrapped__  # the uncached loader
+    load = kernels._load.__wrapped__  # the uncached loader
     monkeypatch.setenv("SLUICE_NATIVE_KERNELS", "0")
-    assert load() is None
+    assert load() is False
     monkeypatch.delenv("SLUICE_NATIVE_KERNELS")
 
     def failed_build(**_):  # what cpp_extension raises when ninja's compile step fails
-        raise RuntimeError("Error building extension 'sluice_paged_decode': [1/2] c++ -c paged_decode.cpp\n"
+        raise RuntimeError("Error building extension 'sluice_kernels': [1/2] c++ -c paged_decode.cpp\n"
                            "FAILED: paged_decode.o\nc++ -c paged_decode.cpp\n"
                            "paged_decode.cpp:13:10: fatal error: ATen/ATen.h: No such file or directory\n"
                            "ninja: build stopped: subcommand failed.\n")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", failed_build)
-    with caplog.at_level(logging.WARNING, logger=attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
         monkeypatch.setenv("CXX", "/nonexistent/c++")
-        assert load() is None
+        assert load() is False
         monkeypatch.setenv("CXX", sys.executable)  # any executable: the build itself is faked
-        assert load() is None
-    assert [r.message.split("gather + SDPA: ")[1] for r in caplog.records] == [
+        assert load() is False
+    assert [r.message.split("aten's kernel: ")[1] for r in caplog.records] == [
         "RuntimeError: no C++ compiler: '/nonexistent/c++' not found",
-        "RuntimeError: Error building extension 'sluice_paged_decode' "
+        "RuntimeError: Error building extension 'sluice_kernels' "
         "paged_decode.cpp:13:10: fatal error: ATen/ATen.h: No such file or directory"]
 
 
 def test_the_build_folder_is_keyed_by_environment_and_source(tmp_path, monkeypatch):
     """Two venvs (or two checkouts) sharing one extensions cache keep a build each."""
-    here = attention._build_directory(tmp_path)
-    assert here.parent == tmp_path and here == attention._build_directory(tmp_path)
+    here = kernels._build_directory(tmp_path)
+    assert here.parent == tmp_path and here == kernels._build_directory(tmp_path)
     monkeypatch.setattr(sys, "prefix", "/another/venv")
-    assert attention._build_directory(tmp_path) != here
+    assert kernels._build_directory(tmp_path) != here
 
 
 def test_a_killed_builds_lock_is_waited_for_then_removed(tmp_path, caplog):
     lock = tmp_path / "lock"
-    assert attention.clear_stale_lock(lock) is False  # none
+    assert kernels.clear_stale_lock(lock) is False  # none
     lock.touch()
-    old = time.time() - attention.STALE_LOCK_S - 1
+    old = time.time() - kernels.STALE_LOCK_S - 1
     os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING, logger=attention.__name__):
-        assert attention.clear_stale_lock(lock) is True
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        assert kernels.clear_stale_lock(lock) is True
     assert not lock.exists() and "must have been killed" in caplog.text
     lock.touch()  # fresh: waited for until it is stale_s old
     start = time.monotonic()
-    assert attention.clear_stale_lock(lock, stale_s=0.3, poll_s=0.05) is True
+    assert kernels.clear_stale_lock(lock, stale_s=0.3, poll_s=0.05) is True
     assert time.monotonic() - start >= 0.25 and not lock.exists()
     lock.touch()  # released by the build that holds it: not touched
     threading.Timer(0.1, lock.unlink).start()
     start = time.monotonic()
-    assert attention.clear_stale_lock(lock, stale_s=30, poll_s=0.05) is False
+    assert kernels.clear_stale_lock(lock, stale_s=30, poll_s=0.05) is False
     assert time.monotonic() - start < 5
 
 
@@ -151,11 +151,11 @@ def test_a_worker_builds_the_kernel_past_a_killed_builds_lock(tmp_path):
     the kernel is built and loaded (before, torch waited on the lock forever). In a child
     process: this one may have loaded the op already, and an op registers once."""
     code = ("import os, time, sys; from pathlib import Path; "
-            "from sluice.worker.engine import attention as a; "
+            "import torch; from sluice.worker.engine import kernels as a; "
             "d = a._build_directory(Path(os.environ['TORCH_EXTENSIONS_DIR'])); "
             "d.mkdir(parents=True); (d / 'lock').touch(); "
             "t = time.time() - a.STALE_LOCK_S - 1; os.utime(d / 'lock', (t, t)); "
-            "print(a.native_paged_decode(a.torch.device('cpu')) is not None, "
+            "print(a.available(torch.device('cpu')), "
             "(d / 'lock').exists())")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from sluice.worker.engine import EngineConfig, SamplingParams, quant
+from sluice.worker.engine import EngineConfig, SamplingParams, kernels, quant
 from sluice.worker.engine.llm_engine import LLMEngine
 
 TEXT = (
@@ -66,6 +66,31 @@ def test_int8_linear_close_to_fp32_linear(fp32, int8, rows):
             assert yq.dtype == torch.float32 and yq.shape == y.shape
             rel = (yq - y).norm() / y.norm()
             assert rel <= 1.25 * predicted, f"layer {i} {name}: {rel:.4f} vs predicted {predicted:.4f}"
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 960), (3, 576, 7), (5, 100, 33), (31, 1536, 64),
+                                         (2, 17, 4), (0, 64, 8)])
+def test_native_int8_kernel_equals_the_dequantized_matmul(rows, k, n, monkeypatch):
+    """csrc/int8_linear.cpp: y = (x @ Q.T) * scale in fp32, as the fallback computes it, up to
+    summation order; row counts off its 4-row tiles, K off its 16-wide vectors (masked
+    loads), N off its 4-row weight tiles, and no rows at all."""
+    if not kernels.available(torch.device("cpu")):
+        pytest.skip("the native kernels did not build here (see the warning logged)")
+    torch.manual_seed(0)
+    linear = nn.Linear(k, n, bias=False)
+    qlinear = quant.Int8Linear.from_linear(linear)
+    x = torch.randn(rows, k)
+    reference = (x.double() @ qlinear.weight.double().T) * qlinear.scales.double()
+    y = torch.ops.sluice.int8_linear(x, qlinear.weight, qlinear.scales)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qlinear(x), y, rtol=0, atol=0)  # what Int8Linear runs
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
+        torch.ops.sluice.int8_linear(x.double(), qlinear.weight, qlinear.scales)
+    # without the native kernels: aten's (bfloat16 activations), close to it
+    monkeypatch.setattr(kernels, "available", lambda device: False)
+    if rows:
+        assert (qlinear(x) - y).norm() / y.norm() < 0.01
 
 
 def test_int8_linear_keeps_bias():

@@ -12,36 +12,23 @@ decode sequences (one query token) in one call; prefill chunks one sequence at a
 causally, over their cached prefix plus the chunk. GQA is handled by SDPA's ``enable_gqa``.
 
 Decode on CPU runs a C++ kernel (``csrc/paged_decode.cpp``, vLLM paged attention v1 with
-FlashDecoding's online softmax) that reads the blocks in place. It is compiled with
-``torch.utils.cpp_extension`` on first use and cached in the torch extensions folder
-(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), in a folder keyed by the
-source, the Python environment and torch (``_build_directory``): two checkouts' venvs
-sharing one cache each keep their build, where a folder keyed by name alone was rebuilt
-(8-11 s) at every worker start of the other one. Elsewhere (CUDA), when
-``SLUICE_NATIVE_KERNELS=0``, or when the build fails (logged once), decode is one batched
-SDPA over the gathered blocks with a length mask.
+FlashDecoding's online softmax) that reads the blocks in place; ``kernels`` builds it on
+first use. Elsewhere (CUDA), when ``SLUICE_NATIVE_KERNELS=0``, or when the build fails
+(logged once), decode is one batched SDPA over the gathered blocks with a length mask.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import os
-import shutil
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from sluice.worker.engine import kernels
+
 logger = logging.getLogger(__name__)
-
-_PAGED_DECODE_SRC = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-
 
 @dataclass
 class AttentionMetadata:
@@ -148,73 +135,4 @@ def native_paged_decode(device: torch.device) -> Callable[..., torch.Tensor] | N
     """The compiled ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)``
     op for tensors on ``device``, or None: not a CPU device, ``SLUICE_NATIVE_KERNELS=0``, or
     the build failed."""
-    return _load_paged_decode() if device.type == "cpu" else None
-
-
-@functools.cache
-def _load_paged_decode() -> Callable[..., torch.Tensor] | None:
-    if os.environ.get("SLUICE_NATIVE_KERNELS", "1") == "0":
-        logger.info("SLUICE_NATIVE_KERNELS=0: decode attention uses gather + SDPA")
-        return None
-    try:
-        from torch.utils import cpp_extension
-
-        compiler = os.environ.get("CXX", "c++")  # what cpp_extension runs
-        if shutil.which(compiler) is None:
-            raise RuntimeError(f"no C++ compiler: {compiler!r} not found")
-        if shutil.which("ninja") is None:  # pip's ninja sits in the venv's bin, off PATH unless activated
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        build = _build_directory(Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                                      or cpp_extension.get_default_build_root()))
-        build.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build / "lock")
-        cpp_extension.load(name="sluice_paged_decode", sources=[str(_PAGED_DECODE_SRC)],
-                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(build), is_python_module=False)
-    except Exception as err:  # no compiler, headers or ninja: serve on the slower path
-        logger.warning("native paged decode kernel unavailable, decode attention uses gather + SDPA: %s",
-                       _build_failure(err))
-        return None
-    return torch.ops.sluice.paged_decode
-
-
-_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-# A build holds torch's lock file (``lock`` in its folder) for ~20 s here; one older than
-# this is a build that was killed, and would make every later worker wait for it forever.
-STALE_LOCK_S = 120.0
-
-
-def _build_directory(root: Path) -> Path:
-    """The kernel's build folder under ``root``: keyed by the source, the flags, this
-    Python environment (its headers and libraries) and torch's version."""
-    key = hashlib.sha256(b"\0".join([_PAGED_DECODE_SRC.read_bytes(), " ".join(_CFLAGS).encode(),
-                                      sys.prefix.encode(), torch.__version__.encode()]))
-    return root / f"sluice_paged_decode_{key.hexdigest()[:12]}"
-
-
-def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> bool:
-    """Wait while another process's build holds ``lock``, until the lock is ``stale_s``
-    seconds old; then remove it (logged) and return True. False when there was none or it
-    was released. (torch's own wait has no end: a worker killed mid-build, e.g. by its
-    supervisor, left every later worker of that cache hanging before its first log line.)"""
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return False
-        if age >= stale_s:
-            logger.warning("removing the native kernel's build lock %s, %.0f s old: the build "
-                           "that took it must have been killed", lock, age)
-            lock.unlink(missing_ok=True)
-            return True
-        time.sleep(min(poll_s, stale_s - age))
-
-
-def _build_failure(err: Exception) -> str:
-    """One line from cpp_extension's error: its head (minus the ninja command lines) and the
-    first line of the compiler's output that says what went wrong."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [""]
-    why = next((line for line in lines[1:] if "error" in line.lower() or "not found" in line), "")
-    return f"{type(err).__name__}: {lines[0].split(': [')[0][:200]} {why[:200]}".strip()
+    return torch.ops.sluice.paged_decode if kernels.available(device) else None

@@ -32,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # ATen's fused op: the same values, fewer calls
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -84,16 +86,18 @@ class RotaryEmbedding:
     def to(self, device) -> None:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions [T]; q [T, H_q, D]; k [T, H_kv, D] → rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] → (cos, sin), each [T, 1, D] in ``dtype``: looked up once per
+        forward pass and shared by every layer (``rotate``)."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by (cos, sin) [T, 1, D] (``RotaryEmbedding``), rotate-half."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -122,12 +126,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, hidden, bias=False, device=device)
         self.scale = head_dim ** -0.5
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+    def forward(self, x, rope, k_cache, v_cache, meta):
+        """x [T, hidden]; rope: ``RotaryEmbedding``'s (cos, sin) of the T positions."""
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
+        # q and k side by side in qkv: rotated in one go
+        qk = rotate(qkv[:, :self.q_size + self.kv_size].view(-1, heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -154,8 +160,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, device)
 
-    def forward(self, x, positions, rotary, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, k_cache, v_cache, meta)
+    def forward(self, x, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -194,8 +200,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] → final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, k_cache, v_cache, meta)
+            x = layer(x, rope, k_cache, v_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
