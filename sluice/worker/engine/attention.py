@@ -76,6 +76,8 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if not meta.prefills and meta.decode_token_idx is not None:
+        return decode_attention(q, k_cache, v_cache, meta, scale)  # tokens = decodes, in order
     out = torch.empty_like(q)
 
     # SDPA gets 4-D [1, H, L, D] inputs: on CPU, 3-D ones fall back to the math kernel

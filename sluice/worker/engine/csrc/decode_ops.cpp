@@ -1,0 +1,120 @@
+// The small fp32 ops between a decode layer's matmuls, each one call instead of several ATen
+// ops (a batch-1 decode step of SmolLM2 made ~4,100 ATen calls, most of its time outside the
+// matmuls). The same arithmetic as the PyTorch path they replace, elementwise; only a
+// reduction's order (the RMS) differs. Rows are split across threads by at::parallel_for.
+//
+//   add_rms_norm_(x, residual, weight, eps): residual += x; x = weight * (residual *
+//       rsqrt(mean(residual^2) + eps)): vLLM's fused_add_rms_norm (RMSNorm: Zhang &
+//       Sennrich 2019), x and residual [T, H] updated in place.
+//   silu_and_mul(x [T, 2I]) -> [T, I]: silu(x[:, :I]) * x[:, I:] (SwiGLU, Shazeer 2020).
+//   rotary_(x, cos, sin, heads, head_dim): the first heads * head_dim columns of x [T, C]
+//       rotated in place, rotate-half layout (RoPE, Su et al. 2021): for each head,
+//       x1' = x1 * cos1 - x2 * sin1 and x2' = x2 * cos2 + x1 * sin2, cos/sin [T, head_dim].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.scalar_type() == at::kFloat &&
+                  t.stride(1) == 1,
+              name, " must be a 2-D float32 CPU tensor with contiguous rows");
+}
+
+void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm_: x");
+  check_rows(residual, "add_rms_norm_: residual");
+  TORCH_CHECK(x.sizes() == residual.sizes() && weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.scalar_type() == at::kFloat && weight.size(0) == x.size(1),
+              "add_rms_norm_: x and residual must be [T, H] and weight [H]");
+  const int64_t T = x.size(0), H = x.size(1);
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xr = xp + t * xs;
+      float* rr = rp + t * rs;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t h = 0; h < H; ++h) {
+        const float v = rr[h] + xr[h];
+        rr[h] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + e);
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) xr[h] = wp[h] * (rr[h] * inv);
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "silu_and_mul: x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must have an even number of columns");
+  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  at::Tensor out = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * xs;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+             int64_t head_dim) {
+  check_rows(x, "rotary_: x");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.numel() == x.size(0) * head_dim &&
+                  sin.numel() == cos.numel(),
+              "rotary_: cos and sin must be contiguous float32 [T, head_dim]");
+  TORCH_CHECK(head_dim % 2 == 0 && heads * head_dim <= x.size(1),
+              "rotary_: heads * head_dim must fit in x's columns, head_dim even");
+  const int64_t T = x.size(0), xs = x.stride(0), half = head_dim / 2;
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * head_dim;
+      const float* s = sp + t * head_dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x1 = xp + t * xs + h * head_dim;
+        float* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], b = x2[i];
+          x1[i] = a * c[i] - b * s[i];
+          x2[i] = b * c[half + i] + a * s[half + i];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sluice, m) {
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sluice, CPU, m) {
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_", &rotary_);
+}
