@@ -44,6 +44,11 @@ def available(device: torch.device) -> bool:
     return device.type == "cpu" and _load()
 
 
+def available_for(x: torch.Tensor) -> bool:
+    """``available(x.device)``, cheaper (no device object): called per op of a step."""
+    return x.is_cpu and _load()
+
+
 @functools.cache
 def _load() -> bool:
     if os.environ.get("SLUICE_NATIVE_KERNELS", "1") == "0":

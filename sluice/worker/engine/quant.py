@@ -118,22 +118,21 @@ class Int8Linear(nn.Module):
         return cls(q, scales, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        few = x2.shape[0] < KERNEL_MAX_ROWS and x.device.type == "cpu"
-        if few and x.dtype == torch.float32 and kernels.available(x.device):
-            y = torch.ops.sluice.int8_linear(x2.contiguous(), self.weight, self.scales)
+        if x.dim() != 2:
+            y = self.forward(x.reshape(-1, self.in_features))
+            return y.reshape(*x.shape[:-1], self.out_features)
+        few = x.shape[0] < KERNEL_MAX_ROWS and x.is_cpu
+        if few and x.dtype == torch.float32 and kernels.available_for(x):
+            y = torch.ops.sluice.int8_linear(x.contiguous(), self.weight, self.scales)
         elif (few and x.dtype in _KERNEL_DTYPES and self.in_features % ATEN_K_MULTIPLE == 0
               and _has_kernel()):
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.weight,
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight,
                                                    self.scales_bf16).to(x.dtype)
         elif x.dtype == torch.float16:  # x @ Q.T can pass fp16's 65504: scale the weight first
-            y = F.linear(x2, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])
+            y = F.linear(x, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])
         else:
-            y = F.linear(x2, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+            y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

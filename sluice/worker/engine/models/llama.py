@@ -32,7 +32,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 def _native(x: torch.Tensor) -> bool:
     """Whether the fused decode ops of ``csrc/decode_ops.cpp`` take ``x`` (fp32 on CPU,
     kernels built): they stand for several PyTorch ops each, with the same arithmetic."""
-    return x.dtype == torch.float32 and kernels.available(x.device)
+    return x.dtype == torch.float32 and kernels.available_for(x)
 
 
 class RMSNorm(nn.Module):
