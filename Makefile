@@ -52,7 +52,7 @@ vllm: $(VLLM_STAMP)
 llama-cpp: $(LLAMA_VENV)/.installed
 
 $(LLAMA_VENV)/.installed:
-	$(PYTHON) -m venv $(LLAMA_VENV) && echo '*' > $(LLAMA_VENV)/.gitignore
+	$(PYTHON) -m venv $(LLAMA_VENV)
 	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q $(LLAMA_PKGS)
 	@touch $@
 

@@ -64,6 +64,20 @@ def test_quant_bench(tmp_path):
     assert result["decode"]["int8"]["weight_bytes_per_token"] < result["decode"]["fp32"]["weight_bytes_per_token"] / 3
 
 
+LLAMA_CPP_PYTHON = ROOT / ".venv-llama-cpp" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LLAMA_CPP_PYTHON.exists(), reason="llama.cpp is a benchmark peer, not a "
+                    "dependency: `make llama-cpp` builds it (~7 min)")
+def test_quant_bench_against_llama_cpp(tmp_path):
+    result = run_bench("quant.py", "--max-tokens", "4", "--rounds", "1",
+                       "--llama-cpp-python", str(LLAMA_CPP_PYTHON), out=tmp_path / "quant.json")
+    peer = result["decode"]["llama.cpp (GGUF)"]
+    assert peer["itl_ms"] > 0 and peer["prefill_ms"] > 0 and peer["weight_bytes_per_token"] > 0
+    assert result["llama_cpp"]["native_int8_vs_llama_cpp"] > 0
+
+
 AIPERF = Path("/tmp/aiperf-venv/bin/aiperf")
 
 
