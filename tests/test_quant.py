@@ -68,29 +68,46 @@ def test_int8_linear_close_to_fp32_linear(fp32, int8, rows):
             assert rel <= 1.25 * predicted, f"layer {i} {name}: {rel:.4f} vs predicted {predicted:.4f}"
 
 
-@pytest.mark.parametrize("rows, k, n", [(1, 576, 960), (3, 576, 7), (5, 100, 33), (31, 1536, 64),
-                                         (2, 17, 4), (0, 64, 8)])
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 960), (3, 576, 8), (5, 96, 36), (31, 1536, 64),
+                                         (0, 64, 8)])
 def test_native_int8_kernel_equals_the_dequantized_matmul(rows, k, n, monkeypatch):
-    """csrc/int8_linear.cpp: y = (x @ Q.T) * scale in fp32, as the fallback computes it, up to
-    summation order; row counts off its 4-row tiles, K off its 16-wide vectors (masked
-    loads), N off its 4-row weight tiles, and no rows at all."""
+    """csrc/int8_linear.cpp over weights packed in tiles: y = (x @ Q.T) * scale in fp32, as
+    the fallback computes it, up to summation order; x rows off its 4-row blocks, and none."""
     if not kernels.available(torch.device("cpu")):
         pytest.skip("the native kernels did not build here (see the warning logged)")
     torch.manual_seed(0)
-    linear = nn.Linear(k, n, bias=False)
-    qlinear = quant.Int8Linear.from_linear(linear)
+    qlinear = quant.Int8Linear.from_linear(nn.Linear(k, n, bias=False))
+    q = qlinear.rows()
+    assert qlinear.packed and qlinear.weight.shape == (n // 4, k // 16, 4, 16)
+    assert q.shape == (n, k) and torch.equal(quant.pack_tiles(q), qlinear.weight)
     x = torch.randn(rows, k)
-    reference = (x.double() @ qlinear.weight.double().T) * qlinear.scales.double()
+    reference = (x.double() @ q.double().T) * qlinear.scales.double()
     y = torch.ops.sluice.int8_linear(x, qlinear.weight, qlinear.scales)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(qlinear(x), y, rtol=0, atol=0)  # what Int8Linear runs
     with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
         torch.ops.sluice.int8_linear(x.double(), qlinear.weight, qlinear.scales)
-    # without the native kernels: aten's (bfloat16 activations), close to it
-    monkeypatch.setattr(kernels, "available", lambda device: False)
+    with pytest.raises(RuntimeError, match="packed in tiles"):
+        torch.ops.sluice.int8_linear(x, q, qlinear.scales)
+    # the kernels gone (SLUICE_NATIVE_KERNELS=0 elsewhere): aten's kernel on the unpacked rows
+    monkeypatch.setattr(kernels, "available_for", lambda x: False)
     if rows:
         assert (qlinear(x) - y).norm() / y.norm() < 0.01
+
+
+@pytest.mark.parametrize("rows, k, n", [(5, 100, 33), (2, 17, 4), (3, 64, 6)])
+def test_weights_that_do_not_split_into_tiles_stay_row_major(rows, k, n):
+    """No native kernel for them: the fallback (aten's kernel needs K % 16: it segfaults
+    otherwise, so F.linear on the dequantized weight)."""
+    torch.manual_seed(0)
+    qlinear = quant.Int8Linear.from_linear(nn.Linear(k, n, bias=False))
+    assert not qlinear.packed and qlinear.weight.shape == (n, k) and qlinear.rows() is qlinear.weight
+    x = torch.randn(rows, k)
+    reference = (x.double() @ qlinear.weight.double().T) * qlinear.scales.double()
+    torch.testing.assert_close(qlinear(x).double(), reference, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="does not split into tiles"):
+        quant.pack_tiles(qlinear.weight)
 
 
 def test_int8_linear_keeps_bias():
@@ -124,7 +141,7 @@ def test_weights_are_int8_and_about_4x_smaller(fp32, int8):
             if isinstance(linear, nn.Linear):
                 qlinear = layer.get_submodule(name)
                 assert isinstance(qlinear, quant.Int8Linear)
-                assert qlinear.weight.dtype == torch.int8 and qlinear.weight.shape == linear.weight.shape
+                assert qlinear.weight.dtype == torch.int8 and qlinear.rows().shape == linear.weight.shape
                 assert qlinear.scales.shape == (linear.out_features,)
                 fp32_bytes += linear.weight.numel() * linear.weight.element_size()
                 int8_bytes += sum(t.numel() * t.element_size() for t in qlinear.buffers())
@@ -136,6 +153,10 @@ def test_weights_are_int8_and_about_4x_smaller(fp32, int8):
     ids = torch.tensor([0, 17, 4000, 49151])
     emb_err = (model.embed_tokens(ids) - ref.embed_tokens(ids)).abs()
     assert (emb_err <= model.lm_head.scales[ids, None] / 2 * (1 + 1e-5)).all()
+    # the lookup gathers rows from the lm_head's table, packed in tiles or not
+    rows = model.lm_head.rows()[ids].float() * model.lm_head.scales[ids, None]
+    assert torch.equal(model.embed_tokens(ids), rows)
+    assert model.embed_tokens(ids.view(2, 2)).shape == (2, 2, rows.shape[-1])
 
 
 def _agreement(a: list[int], b: list[int]) -> int:

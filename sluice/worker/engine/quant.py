@@ -92,6 +92,27 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+TILE_ROWS, TILE_COLUMNS = 4, 16  # csrc/int8_linear.cpp's tile: 4 rows x 16-column chunks
+
+
+def pack_tiles(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] → [N / 4, K / 16, 4, 16] (contiguous): the native kernel's layout, in which
+    each tile of 4 weight rows is one sequential run (see csrc/int8_linear.cpp).
+
+    Raises ValueError when N is not a multiple of 4 or K of 16."""
+    n, k = q.shape
+    if n % TILE_ROWS or k % TILE_COLUMNS:
+        raise ValueError(f"[{n}, {k}] does not split into tiles of {TILE_ROWS} x {TILE_COLUMNS}")
+    return q.view(n // TILE_ROWS, TILE_ROWS, k // TILE_COLUMNS, TILE_COLUMNS) \
+        .permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_tiles(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_tiles``'s inverse: [N / 4, K / 16, 4, 16] → [N, K] (a copy)."""
+    tiles, chunks = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, chunks * TILE_COLUMNS)
+
+
 class Int8Linear(nn.Module):
     """``nn.Linear`` replacement with int8 weights and per-output-channel fp32 scales.
 
@@ -100,13 +121,19 @@ class Int8Linear(nn.Module):
         scales: [out_features] fp32 (bfloat16-representable; see ``quantize_weight``).
         bias: [out_features] or None, kept in its original dtype.
 
+    The ``weight`` buffer holds the int8 weights row-major [out, in], or, where the native
+    kernels run (``kernels.available``) and the shape splits into tiles, packed for them
+    (``pack_tiles``; ``packed`` says which; ``rows()`` gives [out, in] either way).
+
     ``forward``: x [..., in_features] → [..., out_features] in x's dtype.
     """
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight)
+        self.packed = (kernels.available(weight.device) and self.out_features % TILE_ROWS == 0
+                       and self.in_features % TILE_COLUMNS == 0)
+        self.register_buffer("weight", pack_tiles(weight) if self.packed else weight)
         self.register_buffer("scales", scales)
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # kernel wants act dtype
         self.register_buffer("bias", bias)
@@ -117,47 +144,58 @@ class Int8Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(q, scales, bias)
 
+    def rows(self) -> torch.Tensor:
+        """The int8 weights [out_features, in_features], row-major."""
+        return unpack_tiles(self.weight) if self.packed else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         few = x.shape[0] < KERNEL_MAX_ROWS and x.is_cpu
-        if few and x.dtype == torch.float32 and kernels.available_for(x):
+        if self.packed and few and x.dtype == torch.float32 and kernels.available_for(x):
             y = torch.ops.sluice.int8_linear(x.contiguous(), self.weight, self.scales)
         elif (few and x.dtype in _KERNEL_DTYPES and self.in_features % ATEN_K_MULTIPLE == 0
               and _has_kernel()):
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.weight,
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.rows(),
                                                    self.scales_bf16).to(x.dtype)
         elif x.dtype == torch.float16:  # x @ Q.T can pass fp16's 65504: scale the weight first
-            y = F.linear(x, self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None])
+            y = F.linear(x, self.rows().to(x.dtype) * self.scales.to(x.dtype)[:, None])
         else:
-            y = F.linear(x, self.weight.to(x.dtype)) * self.scales.to(x.dtype)
+            y = F.linear(x, self.rows().to(x.dtype)) * self.scales.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}, weight=int8 per-channel"
+               f"bias={self.bias is not None}, weight=int8 per-channel" \
+               f"{', packed in tiles' if self.packed else ''}"
 
 
 class Int8Embedding(nn.Module):
     """Embedding lookup over an int8 table with per-row scales (shared with a tied lm_head).
 
     Args:
-        weight: [vocab, hidden] int8.
+        weight: [vocab, hidden] int8, or packed in tiles (``pack_tiles``) when ``packed``.
         scales: [vocab] fp32.
         dtype: dtype of the returned rows (the model's activation dtype).
+        packed: whether ``weight`` is packed (the tied lm_head's table, shared as it is).
 
     ``forward``: ids [...] → [..., hidden] in ``dtype``; dequantizes only the gathered rows.
     """
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 packed: bool = False):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
-        self.dtype = dtype
+        self.dtype, self.packed = dtype, packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return (self.weight[ids].to(self.dtype) * self.scales[ids].unsqueeze(-1).to(self.dtype))
+        if self.packed:  # row n is chunk column n % 4 of tile n // 4
+            rows = self.weight[ids // TILE_ROWS, :, ids % TILE_ROWS].reshape(*ids.shape, -1)
+        else:
+            rows = self.weight[ids]
+        return rows.to(self.dtype) * self.scales[ids].unsqueeze(-1).to(self.dtype)
 
 
 @torch.no_grad()
@@ -190,7 +228,8 @@ def quantize_int8(model: nn.Module, lm_head: bool = True) -> nn.Module:
         model.lm_head = Int8Linear.from_linear(model.lm_head)
         count += 1
         if tied:
-            model.embed_tokens = Int8Embedding(model.lm_head.weight, model.lm_head.scales, dtype)
+            model.embed_tokens = Int8Embedding(model.lm_head.weight, model.lm_head.scales, dtype,
+                                               model.lm_head.packed)
     logger.info("int8 weight-only: %d linears%s quantized, weights %.1f MiB -> %.1f MiB", count,
                 " (lm_head included)" if lm_head else "", before / 2**20, _weight_bytes(model) / 2**20)
     return model
