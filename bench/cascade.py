@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sluice.argtypes import number, output_file  # noqa: E402
 from sluice.cascade.calibrate import Replay, held_out, load_records  # noqa: E402
 
 SIGNALS = {  # label → (signal, quantile, prefix tokens: None judges the whole answer)
@@ -62,8 +63,8 @@ def main() -> int:
     parser.add_argument("--targets", default="0.2,0.3,0.4", help="top-tier shares")
     parser.add_argument("--splits", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--pre-route-share", type=float, default=0.1)
-    parser.add_argument("--out", default="bench/results/cascade.json")
+    parser.add_argument("--pre-route-share", type=number(strict=True, maximum=1.0), default=0.1)
+    parser.add_argument("--out", type=output_file, default="bench/results/cascade.json")
     args = parser.parse_args()
 
     path = Path(args.records)
@@ -103,7 +104,6 @@ def main() -> int:
 
     print_tables(result)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
     png = out.with_suffix(".png")
     plot(result, png)

@@ -126,6 +126,8 @@ def output_file(text: str) -> str:
     """A file this process can write, checked now rather than after a run of minutes (a
     folder, /proc, a read-only file system); its directory must exist. Nothing is left
     behind by the check."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
     path = Path(text)
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: its directory does not exist")

@@ -378,6 +378,10 @@ def test_bench_cascade_writes_its_json(tmp_path):
                              str(tmp_path / "none.jsonl"), "--out", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert absent.returncode == 2 and "missing" in absent.stderr
+    nowhere = subprocess.run([sys.executable, "bench/cascade.py", "--records", str(path),
+                              "--out", "/proc/x/y.json"],  # was a traceback after the replay
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert nowhere.returncode == 2 and "its directory does not exist" in nowhere.stderr
 
 
 def test_spread_leaves_out_undefined_splits():

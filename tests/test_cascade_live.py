@@ -197,7 +197,14 @@ def test_check_cli_refuses_a_cascade_the_manifest_does_not_serve(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["check", "--timeout", "1e300"], "argument --timeout: must be finite and > 0 and <= 86400 seconds, got 1e300"),
     (["calibrate", "--tiers", "a,b", "--out", "/nonexistent/x.json"],
-     "argument --out: /nonexistent/x.json: its directory does not exist")])
+     "argument --out: /nonexistent/x.json: its directory does not exist"),
+    (["calibrate", "--tiers", "a,b", "--out", ""], "argument --out: an empty path"),
+    # spec.cascade.streaming.prefixTokens takes 1..4096: the snippet must validate
+    (["calibrate", "--tiers", "a,b", "--prefix-tokens", "1000000"],
+     "argument --prefix-tokens: must be >= 1 and <= 4,096, got 1000000"),
+    # 0 still fitted a pre-route that sent ~2 % of held-out prompts up: leave it out instead
+    (["calibrate", "--tiers", "a,b", "--pre-route-share", "0"],
+     "argument --pre-route-share: must be finite and > 0 and <= 1, got 0")])
 def test_cascade_cli_refuses_bad_flags_when_parsing(tmp_path, args, message):
     records = write(tmp_path / "r.jsonl", [rec("arith-0-2x20-0", t, True, -0.1) for t in TIERS])
     common = {"check": ["--manifest", str(ROOT / "examples" / "cascade.yaml"), "--cascade",

@@ -472,17 +472,27 @@ def test_a_request_larger_than_a_replicas_kv_pool_is_left_out_and_named(tmp_path
     assert main(["simulate", "--trace", f"{TRACES}/mooncake_conversation_trace.jsonl",
                  "--limit", "50", "--profile", str(prof), "--policy", "static:replicas=2",
                  "--slo-ttft-ms", "30000", "--boot-time", "10", "--output", str(out),
-                 "--no-progress"]) == 0
+                 "--max-model-len", "100000", "--no-progress"]) == 0
     data = json.loads(out.read_text())
     assert (data["requests"], data["too_large"]) == (49, 1)
     err = " ".join(capsys.readouterr().err.split())
-    assert ("left out 1 request that needs more KV than a replica's whole pool (65,536 "
-            "tokens): the worker refuses them with a 400 whatever the fleet (the first: "
-            "request 12 by arrival, 87,169 + 402 tokens)") in err
+    assert ("left out 1 request longer than a replica serves, its whole KV pool (65,536 "
+            f"tokens in {prof}): the worker refuses them with a 400 whatever the fleet (the "
+            "first: request 12 by arrival, 87,169 + 402 tokens)") in err
+    # the worker's context (8192 by default) counts too: five of those 50 requests pass it
+    assert main(["simulate", "--trace", f"{TRACES}/mooncake_conversation_trace.jsonl",
+                 "--limit", "50", "--profile", str(prof), "--policy", "static:replicas=2",
+                 "--slo-ttft-ms", "30000", "--max-model-len", "8192", "--output", str(out),
+                 "--no-progress"]) == 0
+    loaded = traces.load(f"{TRACES}/mooncake_conversation_trace.jsonl", 50)
+    longer = sum(p + o > 8192 for p, o in zip(loaded.prompt, loaded.output))
+    assert json.loads(out.read_text())["too_large"] == longer >= 6
+    assert "longer than a replica serves, --max-model-len 8,192:" in \
+        " ".join(capsys.readouterr().err.split())
     tiny = dict(SYNTHETIC, kv_capacity_tokens=16)
     prof.write_text(json.dumps(tiny))
     assert main(["simulate", "--trace", f"{TRACES}/azure2023_conv.csv", "--limit", "5",
                  "--profile", str(prof), "--policy", "static:replicas=1",
                  "--no-progress"]) == 2
-    assert "every request needs more KV than a replica's whole pool (16 tokens" in \
+    assert "every request is longer than a replica serves: its whole KV pool (16 tokens" in \
         capsys.readouterr().err

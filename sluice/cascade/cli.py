@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from sluice.argtypes import number, output_file, positive_count, server_url
+from sluice.argtypes import number, output_file, positive_count, server_url, whole
 from sluice.cascade.policy import SIGNALS
 
 
@@ -43,6 +43,8 @@ def _costs(text: str) -> list[float]:
 
 
 _fraction = number(maximum=1.0)  # a quantile, a share of requests
+_share = number(strict=True, maximum=1.0)  # a pre-route's share: leaving it out means none
+_prefix_tokens = whole(1, 4096)  # spec.cascade.streaming.prefixTokens' range
 _timeout = number("seconds", strict=True, maximum=86_400.0)  # per answer
 
 
@@ -79,10 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--signal", default="logprob-quantile", choices=SIGNALS)
     cal.add_argument("--quantile", type=_fraction, default=0.1)
     cal.add_argument("--target-top-share", type=_fraction, default=0.3)
-    cal.add_argument("--pre-route-share", type=_fraction, default=None,
-                     help="fit a pre-route model that sends at most this share straight to "
-                     "the top tier (default: no pre-route)")
-    cal.add_argument("--prefix-tokens", type=positive_count, default=None,
+    cal.add_argument("--pre-route-share", type=_share, default=None,
+                     help="fit a pre-route model that sends at most this share (> 0) straight "
+                     "to the top tier (default: no pre-route)")
+    cal.add_argument("--prefix-tokens", type=_prefix_tokens, default=None,
                      help="calibrate for streams in the prefix mode: judge each answer's "
                      "first K tokens, and pay only those for one that escalates (default: "
                      "answers judged whole, the buffer mode and plain answers)")

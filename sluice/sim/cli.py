@@ -22,6 +22,7 @@ from pathlib import Path
 from sluice.argtypes import (count, fraction, milliseconds, output_dir, output_file, percent,
                              positive, positive_count, positive_milliseconds, positive_seconds,
                              seconds)
+from sluice.worker.engine.config import DEFAULT_MAX_MODEL_LEN
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--boot-jitter", type=fraction, default=0.2,
                         help="boot time spread: uniform ×[1-j, 1+j] (default 0.2)")
     parser.add_argument("--max-replicas", type=positive_count, default=1000)
+    parser.add_argument("--max-model-len", type=positive_count, default=DEFAULT_MAX_MODEL_LEN,
+                        help="the replicas' context length in tokens: longer requests (prompt "
+                        "+ output) are refused by the worker, so left out (default "
+                        f"{DEFAULT_MAX_MODEL_LEN}, the worker's cap)")
     parser.add_argument("--slo-ttft-ms", type=positive_milliseconds, default=2000.0)
     parser.add_argument("--slo-itl-ms", type=milliseconds, default=200.0,
                         help="objective on a request's mean inter-token gap (0: none)")
@@ -133,10 +138,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("no step profile: pass --profile (sluice profile --steps writes one)")
         model = profile.load(path)
         loaded = traces.load(args.trace, args.limit)
-        fitting, too_large = traces.without_too_large(loaded, model.kv_capacity_tokens)
+        limit = min(model.kv_capacity_tokens, args.max_model_len)
+        why = (f"its whole KV pool ({limit:,} tokens in {path})"
+               if limit == model.kv_capacity_tokens else f"--max-model-len {limit:,}")
+        fitting, too_large = traces.without_too_large(loaded, limit)
         if not len(fitting):
-            raise ValueError(f"{args.trace}: every request needs more KV than a replica's "
-                             f"whole pool ({model.kv_capacity_tokens:,} tokens in {path})")
+            raise ValueError(f"{args.trace}: every request is longer than a replica serves: {why}")
         trace = traces.scale(fitting, args.scale_requests, args.seed)
         config = SimConfig(boot_s=args.boot_time, boot_jitter=args.boot_jitter,
                            max_replicas=args.max_replicas, ttft_slo_s=args.slo_ttft_ms / 1000,
@@ -148,10 +155,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if too_large:
         first = too_large[0]
-        many = "s that need" if len(too_large) > 1 else " that needs"
-        err.print(f"left out {len(too_large):,} request{many} more KV than a replica's "
-                  f"whole pool ({model.kv_capacity_tokens:,} tokens): the worker refuses them "
-                  f"with a 400 whatever the fleet (the first: request {first + 1} by arrival, "
+        err.print(f"left out {len(too_large):,} request{'s' if len(too_large) > 1 else ''} "
+                  f"longer than a replica serves, {why}: the worker refuses them with a 400 "
+                  f"whatever the fleet (the first: request {first + 1} by arrival, "
                   f"{loaded.prompt[first]:,} + {loaded.output[first]:,} tokens)")
     target = args.attainment / 100
     err.print(f"{len(trace):,} requests over {trace.span_s:,.0f} s; profile {model.model} "

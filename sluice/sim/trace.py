@@ -63,16 +63,17 @@ def load(path: str | Path, limit: int | None = None) -> Trace:
                  [r.output_tokens for r in rows], [r.hash_ids for r in rows])
 
 
-def without_too_large(trace: Trace, capacity_tokens: int) -> tuple[Trace, list[int]]:
-    """Leave out the requests a replica could never hold: prompt + output tokens over its
-    whole KV pool. The worker refuses those with a 400 whatever the fleet (the native
-    engine's ``check_request``), so they say nothing about autoscaling.
+def without_too_large(trace: Trace, limit_tokens: int) -> tuple[Trace, list[int]]:
+    """Leave out the requests a replica never serves: prompt + output tokens over
+    ``limit_tokens`` (its context length, or its whole KV pool when that is smaller). The
+    worker refuses those with a 400 whatever the fleet (``check_fits``, the native engine's
+    ``check_request``), so they say nothing about autoscaling.
 
     Returns:
         the trace without them, and their indices in ``trace`` (arrival order).
     """
     large = [i for i, (p, o) in enumerate(zip(trace.prompt, trace.output))
-             if p + o > capacity_tokens]
+             if p + o > limit_tokens]
     if not large:
         return trace, large
     out = set(large)

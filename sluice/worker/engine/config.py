@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+DEFAULT_MAX_MODEL_LEN = 8192  # the context a worker serves: the model's, capped at this
+
 @dataclass
 class EngineConfig:
     """Options of the native engine (worker flags map 1:1 onto these).

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
 
-from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from sluice.worker.engine.detokenizer import IncrementalDetokenizer
 from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.models.llama import SUPPORTED_ARCHITECTURES
@@ -22,7 +22,6 @@ from sluice.worker.engine.spec_decode import DraftModelProposer, NgramProposer, 
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 class LLMEngine:
