@@ -22,12 +22,13 @@ dynamic activation quantization (fbgemm's dynamic Linear) gives 60.
 
 Kernels, for few rows (decode; ``KERNEL_MAX_ROWS``):
 
-- fp32 activations on CPU: Sluice's ``torch.ops.sluice.int8_linear(x [M, K] fp32, q [N, K]
-  int8, scales [N] fp32) -> [M, N]`` (``csrc/int8_linear.cpp``, built by ``kernels``):
-  exact int8 → fp32 conversion and fp32 accumulation in AVX-512 registers, with a software
-  prefetch one 4-row tile ahead. Over SmolLM2's 121 weight matrices (~135 MB, past every
-  cache) it streams ~19 GB/s against aten's ~12 GB/s below (7.1 vs 10.5 ms a step, 2
-  threads); batch-1 decode ITL 17.9 → 15.4 ms.
+- fp32 activations on CPU: Sluice's ``torch.ops.sluice.int8_linear(x [M, K] fp32, q packed
+  [N / 4, K / 16, 4, 16] int8, scales [N] fp32) -> [M, N]`` (``csrc/int8_linear.cpp``, built
+  by ``kernels``): exact int8 → fp32 conversion and fp32 accumulation in AVX-512 registers,
+  over weights packed in 4-row tiles (``pack_tiles``) that it reads as one stream. Over
+  SmolLM2's 121 weight matrices (~135 MB, past every cache): 4.4 ms a step on 2 threads
+  (30 GB/s), where aten's kernel below took ~10.5 ms; batch-1 decode ITL 17.9 → 8.5-9.1 ms
+  with the fused decode ops (``models/llama.py``).
 - Without the native kernels (``SLUICE_NATIVE_KERNELS=0``, a failed build), or for bfloat16
   activations (measured on this AVX-512 CPU without AMX, torch 2.13, 1 thread):
   ``torch.ops.aten._weight_int8pack_mm(x [M, K], q [N, K] int8, scales [N]) -> [M, N]``
