@@ -7,7 +7,8 @@ bench/results/cascade_records.jsonl so anyone (and CI) can replay it. Figures:
 - each tier alone, per kind (arithmetic, code): accuracy; and the kinds where a smaller tier
   beats the top one;
 - per signal (logprob quantile at q = 0.05, 0.1, 0.25; min logprob; mean logprob;
-  ``examples``: q = 0.1 with code that fails its prompt's ``>>>`` examples sent up; and
+  ``checks``: q = 0.1 with answers a check proves wrong sent up at any threshold: code that
+  fails the examples its prompt writes, arithmetic steps that do not add up; and
   ``q0.1 prefixK``: the router's ``prefix`` streaming mode, q = 0.1 over each answer's first K
   tokens, an escalated answer paying its prompt and those K tokens only), the curve of
   accuracy and compute against the share of requests answered by the top tier, one point
@@ -16,7 +17,8 @@ bench/results/cascade_records.jsonl so anyone (and CI) can replay it. Figures:
   calibrated on one half (``calibrate.threshold_for_share``) and measured on the other:
   accuracy relative to the top tier alone, top-tier share, compute relative to the top tier
   (every tier visited: (prompt + completion tokens) × the tier's cost, wasted tokens
-  included); and the same with a pre-route model fitted on each calibration half;
+  included); and, for q0.1 and checks, the same with a pre-route model fitted on each
+  calibration half;
 - pass/fail against the issue's targets, on the held-out means: >= 95 % of the top tier's
   accuracy, <= 40 % of requests at the top tier, <= 0.75 of its compute.
 
@@ -47,11 +49,12 @@ SIGNALS = {  # label → (signal, quantile, prefix tokens: None judges the whole
     "q0.25": ("logprob-quantile", 0.25, None),
     "min": ("min-logprob", 0.1, None),
     "mean": ("mean-logprob", 0.1, None),
-    "examples": ("code-examples", 0.1, None),  # q0.1, and code failing its prompt's examples
+    "checks": ("checks", 0.1, None),  # q0.1, and answers a check proves wrong sent up
     "q0.1 prefix16": ("logprob-quantile", 0.1, 16),  # spec.cascade.streaming's default K
     "q0.1 prefix32": ("logprob-quantile", 0.1, 32),
 }
 DEFAULT = "q0.1"  # spec.cascade.escalation's defaults
+PRE_ROUTED = (DEFAULT, "checks")  # signals also replayed with a pre-route
 TARGETS = {"accuracy": 0.95, "top_share": 0.40, "cost": 0.75}
 
 
@@ -93,11 +96,13 @@ def main() -> int:
                                   for t in targets} for label, r in replays.items()}
     if any(base.prompts):
         result["pre_route"] = {
-            "max_share": args.pre_route_share, "signal": DEFAULT,
+            "max_share": args.pre_route_share, "signals": list(PRE_ROUTED),
             "fit_all": vars(base.fit_pre_route(args.pre_route_share)),
-            "held_out": {f"{t:g}": held_out(base, target=t, splits=args.splits, seed=args.seed,
-                                            pre_route_share=args.pre_route_share).to_json()
-                         for t in targets}}
+            "held_out": {label: {f"{t:g}": held_out(replays[label], target=t,
+                                                     splits=args.splits, seed=args.seed,
+                                                     pre_route_share=args.pre_route_share
+                                                     ).to_json() for t in targets}
+                         for label in PRE_ROUTED}}
     else:
         result["pre_route"] = None  # records without prompts
     result["verdict"] = verdict(result)
@@ -135,8 +140,9 @@ def held_rows(result: dict) -> list[tuple[str, str, dict]]:
     rows = [(label, target, row) for label, by_target in result["held_out"].items()
             for target, row in by_target.items()]
     if result["pre_route"]:
-        rows += [(f"{DEFAULT}+pre-route", target, row)
-                 for target, row in result["pre_route"]["held_out"].items()]
+        rows += [(f"{label}+pre-route", target, row)
+                 for label, by_target in result["pre_route"]["held_out"].items()
+                 for target, row in by_target.items()]
     return rows
 
 

@@ -5,6 +5,7 @@ resume logic; the CLI and bench/cascade.py end to end (no model, no server)."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -19,7 +20,9 @@ from sluice.api.service import CascadeSpec
 from sluice.cascade import recorder
 from sluice.cascade.calibrate import (Record, Replay, fit_pre_route, held_out, simulate,
                                       snippet, threshold_for_share)
-from sluice.cascade.evalset import arithmetic_problems, examples_pass, prompt_examples
+from sluice.cascade.evalset import arithmetic_problems
+from sluice.cascade.checks import (examples_pass, prompt_examples, refutation, written_examples,
+                                   wrong_steps)
 from sluice.cascade.policy import FEATURES, Scores, answer_scores
 from sluice.cascade.preroute import solve
 from sluice.cascade.records import done_pairs, load_records
@@ -118,7 +121,7 @@ def test_prefix_mode_judges_the_first_k_tokens_and_pays_only_them_when_escalatin
     assert (prefix.top_share, prefix.accuracy) == (0.5, 1.0)
     assert prefix.cost == pytest.approx((50 + 26 + 200) / 2) and prefix.wasted == 13.0
     with pytest.raises(ValueError, match="no prefix mode"):
-        Replay.build(records, TIERS, signal="code-examples", prefix_tokens=16)
+        Replay.build(records, TIERS, signal="checks", prefix_tokens=16)
     with pytest.raises(ValueError, match="positive"):
         Replay.build(records, TIERS, prefix_tokens=0)
     text = snippet(-1.0, prefix_tokens=16)
@@ -369,9 +372,11 @@ def test_bench_cascade_writes_its_json(tmp_path):
     assert {"tier_accuracy", "tier_relative_cost", "curves", "held_out", "pre_route",
             "verdict", "smaller_tier_better_at"} <= set(result)
     assert result["tiers"] == ["small", "big"]  # the file's order
-    assert set(result["curves"]) == {"q0.05", "q0.1", "q0.25", "min", "mean", "examples",
+    assert set(result["curves"]) == {"q0.05", "q0.1", "q0.25", "min", "mean", "checks",
                                      "q0.1 prefix16", "q0.1 prefix32"}
     assert set(result["held_out"]["q0.1"]) == {"0.2", "0.3", "0.4"}
+    assert set(result["pre_route"]["held_out"]) == {"q0.1", "checks"}
+    assert result["verdict"]["rows"] == 8 * 3 + 2 * 3
     assert result["tier_accuracy"]["code"]["big"] == 0.8  # 9, 19, 29, 39 are code
     assert out.with_suffix(".png").stat().st_size > 10_000
     absent = subprocess.run([sys.executable, "bench/cascade.py", "--records",
@@ -385,8 +390,6 @@ def test_bench_cascade_writes_its_json(tmp_path):
 
 
 def test_spread_leaves_out_undefined_splits():
-    import math
-
     from sluice.cascade.calibrate import Spread
 
     assert Spread.of([1.0, math.inf, 3.0]) == Spread(2.0, math.sqrt(2.0), 1.0, 3.0)
@@ -425,14 +428,119 @@ def test_examples_pass_runs_the_answers_code_on_the_prompts_examples():
     assert examples_pass("Add 2 and 3.", RIGHT) is None
 
 
-def test_the_code_examples_signal_sends_failing_code_up():
+WRITTEN = '''```python
+def digit_sum(s, scale=1):
+    """Sum of the upper characters' ASCII codes, times scale.
+
+    Examples:
+        digit_sum("") => 0
+        digit_sum("abAB") == 131
+        digit_sum("aA", 2) ==> 130.
+        * digit_sum("A")   # returns 65
+        for digit_sum("B") ➞ 66
+        digit_sum("C") should return 67
+        digit_sum("a") -> true
+        digit_sum(s) = 1 + s, if s is even.
+        digit_sum("x", scale=2) => 0
+        digit_sum("D") => 68 (the code of D)
+        not_digit_sum("E") => 69
+    Input: s = "F"  Output: 70
+    """
+```'''
+
+
+def test_written_examples_are_read_when_a_prompt_has_no_doctest():
+    """HumanEval's other example styles (`f(x) => y`, `==`, `==>`, `➞`, `# returns`,
+    `should return`, `->`): literal calls of a function the prompt defines, with a literal
+    value; a formula, a keyword argument, trailing prose or another function's name is not an
+    example."""
+    assert written_examples(WRITTEN) == [
+        ('digit_sum("")', "0"), ('digit_sum("abAB")', "131"), ('digit_sum("aA", 2)', "130"),
+        ('digit_sum("A")', "65"), ('digit_sum("B")', "66"), ('digit_sum("C")', "67"),
+        ('digit_sum("a")', "True")]
+    assert prompt_examples(WRITTEN) == written_examples(WRITTEN)
+    assert prompt_examples(STUB) == [("below([1, 2], 3)", "True"),  # doctests come first
+                                     ("below([1, 5], 3) == False", ""), ("below([], 0)", "True")]
+    right = ("```python\ndef digit_sum(s, scale=1):\n"
+             "    return scale * sum(ord(c) for c in s if c.isupper())\n```")
+    assert examples_pass(WRITTEN, right) is False  # digit_sum("a") is 0, written as true
+    fixed = WRITTEN.replace('digit_sum("a") -> true', 'digit_sum("a") -> 0')
+    assert examples_pass(fixed, right) is True
+    assert examples_pass(fixed, right.replace("isupper", "islower")) is False
+
+
+def test_cli_rescore_runs_recorded_code_on_its_examples_again(tmp_path):
+    """Records of a reader that did not know written examples get them; a cut answer (at
+    the recorder's limit) and non-code lines are left alone; the rest of a line is kept."""
+    fixed = WRITTEN.replace('digit_sum("a") -> true', 'digit_sum("a") -> 0')
+    right = ("```python\ndef digit_sum(s, scale=1):\n"
+             "    return scale * sum(ord(c) for c in s if c.isupper())\n```")
+    code = replace(rec("c", "small", True, -0.1, "code", fixed), answer=right)
+    cut = replace(code, id="cut", answer=right + " " * recorder.ANSWER_CHARS)
+    before = [code, replace(code, tier="big", answer="no code"), cut,
+              rec("a", "small", True, -0.1, prompt="1 + 1 = ?")]
+    path = write(tmp_path / "r.jsonl", before)
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "cascade", "rescore",
+                           "--records", str(path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 code answers run on their prompts' examples; 2 changed" in proc.stdout
+    after = load_records(path)
+    assert [r.examples for r in after] == [True, False, None, None]
+    assert [replace(r, examples=None) for r in after] == before  # nothing else changed
+    assert after[0].to_json() == {**code.to_json(), "examples": True}
+    missing = subprocess.run([sys.executable, "-m", "sluice.cli", "cascade", "rescore",
+                              "--records", str(tmp_path / "none.jsonl")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no such records file" in missing.stderr
+
+
+def test_the_checks_signal_sends_refuted_answers_up():
+    """Code that fails its prompt's examples, or an answer with a step that does not add
+    up, is proven wrong: -inf, below any threshold the spec allows, so even the lowest
+    calibrated threshold escalates it; other answers score the quantile (the router's
+    Scores.signal and the replay's Record.score agree)."""
     failing = replace(rec("c", "small", False, -0.1, "code"), examples=False)
     passing = replace(failing, examples=True)
-    assert failing.score("code-examples") == -100.0
-    assert passing.score("code-examples") == passing.score("logprob-quantile") == \
-        pytest.approx(-0.1)
+    assert (failing.refuted(), passing.refuted()) == ("failed-examples", None)
+    assert failing.score("checks") == failing.score("checks", 0.5) == -math.inf
+    assert passing.score("checks") == passing.score("logprob-quantile") == pytest.approx(-0.1)
+    slip = replace(rec("m", "small", False, -0.1), answer="So 165 ÷ 5 = 31.\nAnswer: 39")
+    assert (slip.refuted(), slip.score("checks")) == ("wrong-arithmetic", -math.inf)
+    assert replace(failing.scores, refuted="failed-examples").signal("checks") == -math.inf
+    assert failing.scores.signal("checks") == pytest.approx(-0.1)
     assert Record.from_json(failing.to_json()).examples is False
+    assert "refuted" not in failing.to_json()["scores"]  # replayed from the record itself
     assert Record.from_json({**passing.to_json(), "examples": None}).examples is None
+    # item c: failing code that looks sure (-0.1); b and a: passing code, unsure and sure
+    records = [failing, rec("c", "big", True, -0.05),
+               replace(rec("b", "small", False, -2.0, "code"), examples=True),
+               rec("b", "big", True, -0.05),
+               replace(rec("a", "small", True, -0.2, "code"), examples=True),
+               rec("a", "big", True, -0.05)]
+    replay = Replay.build(records, TIERS, signal="checks", costs=COSTS)
+    assert replay.candidates() == [-2.0, -0.2, 0.0]  # no -inf: it is no threshold
+    low = replay.simulate(replay.candidates()[0])
+    assert (low.top_share, low.accuracy) == (pytest.approx(1 / 3), 2 / 3)  # c went up
+    assert replay.threshold_for_share(0.0) == -2.0  # the share proven wrong is not negotiable
+    assert replay.simulate(-1.0).top_share == pytest.approx(2 / 3)  # and b below -1
+
+
+def test_wrong_steps_reads_plain_arithmetic_and_skips_what_it_cannot_read():
+    """Steps as small models write them (plain, LaTeX, thousands separators, rounded
+    decimals); a chain, a parenthesis, a power, a percentage, a variable are not read."""
+    assert wrong_steps("1. 88 - 33 = 55\n2. \\(55 \\times 3 = 165\\)\n3. \\(165 \\div 5 = 31\\) "
+                       "shells\n4. 31 + 8 = 39") == ["165 \\div 5 = 31"]
+    assert wrong_steps("551 ÷ 3 = 183 pencils, 3 x 4 = 13, 10/3=3.4, 5 / 0 = 1") == [
+        "551 ÷ 3 = 183", "3 x 4 = 13", "10/3=3.4", "5 / 0 = 1"]
+    assert wrong_steps("total = 95 + 6 + 30 - 64 + 79 = 194") == ["95 + 6 + 30 - 64 + 79 = 194"]
+    assert wrong_steps("10 / 3 = 3.33, 1,000 + 2 = 1,002, 2 * 3 + 1 = 7, 7 − 2 = 5") == []
+    for unread in ("2 + 3 = 5 + 1 = 6", "(2 + 3) * 4 = 21", "x^2 + 3 = 12", "50 * 20% = 11",
+                   "2 + 3 = 6x", "assert 2 + 2 == 5", "n + 1 = 3"):
+        assert wrong_steps(unread) == [], unread
+    assert refutation("Add them.", "2 + 2 = 5") == "wrong-arithmetic"
+    assert refutation(STUB, RIGHT.replace("all(", "any(")) == "failed-examples"
+    assert refutation(STUB, RIGHT) is None and refutation("Add them.", "2 + 2 = 4") is None
 
 
 def test_bench_cascade_replays_the_committed_recording(tmp_path):

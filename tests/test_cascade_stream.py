@@ -11,7 +11,8 @@ from starlette.requests import Request
 
 from sluice.api.service import CascadeSpec
 from sluice.cascade.policy import CascadePolicy
-from sluice.router.cascade import Cascade, _hold, _replay, _stream_logprobs, prompt_text, serve
+from sluice.router.cascade import (Cascade, _hold, _replay, _stream_logprobs, _stream_texts,
+                                   prompt_text, serve)
 from sluice.router.metrics import RouterMetrics
 from sluice.router.relay import RelayResponse
 
@@ -80,6 +81,12 @@ def test_chat_logprobs_per_choice():
                       for i, lp in [(0, -0.5), (1, -1.5), (0, -0.25)])
     events, _, _ = run(_hold(chunks_of(stream, 1000), chat=True, limit=None))
     assert _stream_logprobs(events, True) == [[-0.5, -0.25], [-1.5]]
+    assert _stream_texts(events, True) == ["xx", "x"]  # what the checks read, per choice
+    role = event({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+    assert _stream_texts([role] + events + [event({"choices": [], "usage": {}})], True) \
+        == ["xx", "x"]
+    assert _stream_texts(run(_hold(chunks_of(STREAM, 9), chat=False, limit=None))[0],
+                         False) == ["abcd"]
 
 
 def test_prompt_text():

@@ -31,9 +31,10 @@ def isvc(name: str, model: str, **spec) -> dict:
             "metadata": {"name": name}, "spec": {"model": {"name": model, **source}, **spec}}
 
 
-def cascade(name: str, threshold: float, mode: str = "buffer") -> dict:
+def cascade(name: str, threshold: float, mode: str = "buffer",
+            signal: str = "logprob-quantile") -> dict:
     return isvc(name, name, cascade={"tiers": ["smol", "qwen"], "costs": [3, 8],
-                                     "escalation": {"threshold": threshold},
+                                     "escalation": {"threshold": threshold, "signal": signal},
                                      "streaming": {"mode": mode, "prefixTokens": 4}})
 
 
@@ -54,7 +55,8 @@ def router(worker_url, qwen_worker, tmp_path_factory):
     manifest.write_text(yaml.safe_dump_all([
         isvc("smol", SMOL), isvc("qwen", QWEN), cascade("sure", -100.0),
         cascade("unsure", 0.0), cascade("sure-prefix", -100.0, "prefix"),
-        cascade("unsure-prefix", 0.0, "prefix")]))
+        cascade("unsure-prefix", 0.0, "prefix"),
+        cascade("checks", -100.0, signal="checks")]))
     port = free_port()
     with serve(["router", "--port", str(port), "--worker", worker_url, "--worker", qwen_worker,
                 "--manifest", str(manifest)], port, log=folder / "router.log") as url:
@@ -78,6 +80,41 @@ def cascade_metric(router: str, name: str, **labels: str) -> float:
 def sse(raw: bytes) -> list[dict | str]:
     events = [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e.strip()]
     return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+# an example no 12-token answer of SmolLM2 passes (its code is cut short, or returns
+# something else): with the checks signal the answer is proven wrong
+EXAMPLE_PROMPT = ('Complete this function.\n```python\ndef secret(n):\n'
+                  '    """Return the secret code of n.\n    >>> secret(3)\n    918273645\n'
+                  '    """\n```')
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_code_that_fails_its_prompts_examples_escalates_at_any_threshold(router, stream):
+    """At threshold -100 no score escalates; code failing the prompt's example does (the
+    router runs it in its sandbox), counted as failed-examples; a prompt without examples
+    is judged on its score alone and stays."""
+    def failed() -> float:
+        return cascade_metric(router, names.ROUTER_CASCADE_ESCALATIONS, cascade="checks",
+                              tier="smol", reason="failed-examples")
+
+    before = failed()
+    r = complete(router, "checks", prompt=EXAMPLE_PROMPT, stream=stream)
+    assert r.status_code == 200, r.text
+    assert (r.headers["x-sluice-tier"], r.headers["x-sluice-escalated"]) == ("qwen", "true")
+    assert r.headers["x-sluice-score"] == "-inf"
+    if stream:
+        events = sse(r.content)
+        assert events[-1] == "[DONE]" and all(e["model"] == QWEN for e in events[:-1])
+    else:
+        assert r.json()["model"] == QWEN
+    assert failed() == before + 1
+    plain = complete(router, "checks", stream=stream)  # PROMPT writes no example
+    assert plain.status_code == 200, plain.text
+    assert (plain.headers["x-sluice-tier"], plain.headers["x-sluice-escalated"]) == \
+        ("smol", "false")
+    assert float(plain.headers["x-sluice-score"]) > -100
+    assert failed() == before + 1
 
 
 def test_models_lists_the_cascades(router):

@@ -138,6 +138,8 @@ def test_cascade():
     assert spec.cascade.escalation.quantile == 0.1
     assert (spec.cascade.streaming.mode, spec.cascade.streaming.prefix_tokens) == ("prefix", 16)
     assert spec.cascade.tier_costs() == [1.0, 2.0] and spec.model.source is None
+    checked = parse_manifest(cascade_manifest(escalation={"threshold": -1, "signal": "checks"}))
+    assert checked.spec.cascade.escalation.signal == "checks"
 
 
 @pytest.mark.parametrize(("data", "words"), [
@@ -145,6 +147,11 @@ def test_cascade():
     (cascade_manifest(costs=[1.0]), "one positive number per tier"),
     (cascade_manifest(escalation={"threshold": 0.5}), "spec.cascade.escalation.threshold"),
     (cascade_manifest(escalation={}), "spec.cascade.escalation.threshold: Field required"),
+    (cascade_manifest(escalation={"threshold": -1, "signal": "checks"},
+                      streaming={"mode": "prefix"}),
+     "spec.cascade: Value error, escalation.signal checks judges whole answers"),
+    (cascade_manifest(escalation={"threshold": -1, "signal": "code"}),
+     "spec.cascade.escalation.signal: Input should be"),
     (with_spec(cascade={"tiers": ["a", "b"], "escalation": {"threshold": -1}}),
      "model.source must be omitted"),
     ({**cascade_manifest(), "spec": {k: v for k, v in cascade_manifest()["spec"].items()

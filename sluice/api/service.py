@@ -223,10 +223,14 @@ class RoutingSpec(_Spec):
 class CascadeEscalationSpec(_Spec):
     """When a tier's answer goes up to the next tier."""
 
-    signal: Literal["logprob-quantile", "min-logprob", "mean-logprob"] = Field(
+    signal: Literal["logprob-quantile", "min-logprob", "mean-logprob", "checks"] = Field(
         "logprob-quantile", description="The answer's score, from its token log probabilities "
         "(requested from the tier whatever the client asked): `logprob-quantile` (a low "
-        "quantile: the mean is biased by length), `min-logprob` or `mean-logprob`.")
+        "quantile: the mean is biased by length), `min-logprob` or `mean-logprob`; `checks`: "
+        "the quantile, and an answer a check proves wrong escalates at any threshold (code "
+        "that fails the examples its prompt writes down, run by the router in a sandbox with "
+        "no network and a timeout; arithmetic steps that do not add up). It judges whole "
+        "answers: `streaming.mode` must be `buffer`.")
     quantile: float = Field(0.1, gt=0, lt=1, description="`logprob-quantile`: which quantile.")
     threshold: float = Field(ge=-100, le=0, description="Escalate when the score (a log "
                              "probability, <= 0) is below this; `sluice cascade calibrate` "
@@ -288,6 +292,9 @@ class CascadeSpec(_Spec):
         if self.costs is not None and (len(self.costs) != len(self.tiers)
                                        or any(not c > 0 for c in self.costs)):
             raise ValueError("costs must give one positive number per tier")
+        if self.escalation.signal == "checks" and self.streaming.mode == "prefix":
+            raise ValueError("escalation.signal checks judges whole answers (it runs their "
+                             "code): streaming.mode must be buffer, not prefix")
         return self
 
     def tier_costs(self) -> list[float]:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from sluice.cascade.policy import FEATURES, SIGNALS
 from sluice.cascade.preroute import PreRoute, fit_logistic
-from sluice.cascade.records import (DEFAULT_QUANTILE, REPLAY_SIGNALS, Record, done_pairs,
+from sluice.cascade.records import (DEFAULT_QUANTILE, Record, done_pairs,
                                     load_records)
 
 logger = logging.getLogger(__name__)
@@ -124,13 +124,12 @@ class Replay:
 
         Raises:
             ValueError: an unknown signal, fewer than 2 tiers, costs not one positive
-                number per tier, a ``prefix_tokens`` below 1, or ``code-examples`` with it.
+                number per tier, a ``prefix_tokens`` below 1, or ``checks`` with it.
         """
         if prefix_tokens is not None and prefix_tokens < 1:
             raise ValueError(f"prefix_tokens {prefix_tokens} is not a positive count")
-        if signal not in SIGNALS + REPLAY_SIGNALS:
-            raise ValueError(f"signal {signal!r} is not one of "
-                             f"{', '.join(SIGNALS + REPLAY_SIGNALS)}")
+        if signal not in SIGNALS:
+            raise ValueError(f"signal {signal!r} is not one of {', '.join(SIGNALS)}")
         if len(tiers) < 2:
             raise ValueError(f"a cascade has at least 2 tiers, got {list(tiers)}")
         costs = tuple(costs) if costs is not None else tuple(2.0 ** i for i in range(len(tiers)))
@@ -215,11 +214,12 @@ class Replay:
                        {k: sum(v) / len(v) for k, v in sorted(kinds.items())})
 
     def candidates(self, pre_routed: Collection[str] = ()) -> list[float]:
-        """Thresholds worth trying, ascending: the distinct scores of the tiers below the top
-        (of items not pre-routed) and 0.0, within the spec's [-100, 0]. The first escalates
-        nothing; each next one escalates the answers scoring the one before."""
+        """Thresholds worth trying, ascending: the distinct finite scores of the tiers below
+        the top (of items not pre-routed) and 0.0, within the spec's [-100, 0]. The first
+        escalates nothing but the answers proven wrong (-inf: ``checks``); each next
+        one escalates the answers scoring the one before."""
         values = {min(max(s, -100.0), 0.0) for i, row in enumerate(self.scores)
-                  if self.ids[i] not in pre_routed for s in row[:-1]}
+                  if self.ids[i] not in pre_routed for s in row[:-1] if math.isfinite(s)}
         return sorted(values | {0.0})
 
     def threshold_for_share(self, target: float, pre_routed: Collection[str] = ()) -> float:
@@ -395,7 +395,7 @@ def snippet(threshold: float, signal: str = "logprob-quantile",
     spells them; ``comment`` goes on top."""
     lines = [f"# {line}" for line in comment.splitlines()]
     lines += ["escalation:", f"  signal: {signal}"]
-    if signal == "logprob-quantile":
+    if signal in ("logprob-quantile", "checks"):
         lines.append(f"  quantile: {quantile:g}")
     lines.append(f"  threshold: {round(threshold, 6)!r}")
     if pre_route is not None:

@@ -1,8 +1,9 @@
-"""``sluice cascade record | calibrate | check``: record every tier's answers, set the
-threshold, then check the live cascade against its replay.
+"""``sluice cascade record | rescore | calibrate | check``: record every tier's answers, set
+the threshold, then check the live cascade against its replay.
 
     sluice cascade record --url http://127.0.0.1:8000 --cascade coder --tiers small,big \\
         --set mix --out records.jsonl            # resumable: rerun to continue
+    sluice cascade rescore --records records.jsonl   # code answers run on their examples again
     sluice cascade calibrate --records records.jsonl --tiers small,big \\
         --target-top-share 0.3 [--pre-route-share 0.1] [--out calibration.json]
 
@@ -73,6 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "(default 1; 8 records several times faster on CPU)")
     rec.add_argument("--out", default="records.jsonl", help="JSONL, appended to")
 
+    res = sub.add_parser("rescore", help="run the recorded code answers on their prompts' "
+                         "examples again (after the examples reader learns new styles)")
+    res.add_argument("--records", required=True, help="JSONL from `sluice cascade record`, "
+                     "rewritten in place")
+
     cal = sub.add_parser("calibrate", help="the threshold for a target top-tier share, "
                          "checked on held-out halves; prints the spec.cascade YAML")
     cal.add_argument("--records", required=True, help="JSONL from `sluice cascade record`")
@@ -120,7 +126,8 @@ def _router_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"record": record, "calibrate": calibrate, "check": check}[args.action](args)
+    return {"record": record, "rescore": rescore, "calibrate": calibrate,
+            "check": check}[args.action](args)
 
 
 def record(args: argparse.Namespace) -> int:
@@ -143,6 +150,24 @@ def record(args: argparse.Namespace) -> int:
     print(f"recorded {summary.recorded}, already there {summary.skipped}, failed "
           f"{summary.failed} (rerun to retry) → {args.out}")
     return 1 if summary.failed else 0
+
+
+def rescore(args: argparse.Namespace) -> int:
+    from sluice.cascade import recorder
+
+    try:
+        changes = recorder.rescore_examples(args.records)
+    except (ValueError, OSError) as e:
+        print(f"sluice cascade rescore: {e}", file=sys.stderr)
+        return 2
+    def name(value: bool | None) -> str:
+        return {True: "pass", False: "fail", None: "no examples"}[value]
+
+    print(f"{sum(changes.values())} code answers run on their prompts' examples; "
+          f"{sum(n for (a, b), n in changes.items() if a != b)} changed")
+    for (before, now), n in sorted(changes.items(), key=lambda kv: -kv[1]):
+        print(f"  {name(before):>11} -> {name(now):<11} {n}")
+    return 0
 
 
 def calibrate(args: argparse.Namespace) -> int:

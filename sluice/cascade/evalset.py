@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Literal
 
+from sluice.cascade.checks import FENCE
 from sluice.cascade.sandbox import run_python
 
 logger = logging.getLogger(__name__)
@@ -236,9 +237,6 @@ def humaneval_problems() -> list[Item]:
             for p in read_problems().values()]
 
 
-FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
-
-
 def code_program(item: Item, completion: str) -> str:
     """The program that checks ``completion`` for a code item.
 
@@ -253,80 +251,6 @@ def code_program(item: Item, completion: str) -> str:
         completion = next((b for b in blocks if defines.search(b)), blocks[0])
     body = "\n" + completion if defines.search(completion) else completion
     return f"{item.prompt}{body}\n\n{item.test}\n\ncheck({item.entry_point})\n"
-
-
-EXAMPLES_RUNNER = """
-
-def _passes(_source, _want):
-    try:
-        _got = eval(_source)
-    except SyntaxError:  # a statement: it passes when it runs
-        exec(_source)
-        return True
-    if not _want:  # `f(x) == y` written without an output line
-        return _got is True or _got is None
-    try:
-        return _got == eval(_want)  # '21' and "21" are one answer
-    except Exception:
-        return repr(_got) == _want or str(_got) == _want
-
-_failed = 0
-for _source, _want in {examples!r}:
-    try:
-        _failed += not _passes(_source, _want)
-    except Exception:
-        _failed += 1
-raise SystemExit(1 if _failed else 0)
-"""
-
-
-EXAMPLE = re.compile(r"^([ \t]*)>>> (.*)$")
-
-
-def prompt_examples(prompt: str) -> list[tuple[str, str]]:
-    """The ``>>>`` examples written in a prompt, as (source, expected output) pairs: the
-    output is the lines after the source, at its indentation, up to a blank line, the next
-    example or a closing fence or docstring (``doctest``'s own parser refuses a whole prompt
-    for one such line)."""
-    lines, out, i = prompt.splitlines(), [], 0
-    while i < len(lines):
-        found = EXAMPLE.match(lines[i])
-        i += 1
-        if not found:
-            continue
-        indent, source = found.groups()
-        want = []
-        while i < len(lines) and lines[i].strip() and lines[i].startswith(indent) \
-                and not EXAMPLE.match(lines[i]) \
-                and not lines[i].strip().startswith(("```", '"""', "'''")):
-            want.append(lines[i][len(indent):])
-            i += 1
-        out.append((source.strip(), "\n".join(want)))
-    return out
-
-
-def examples_pass(prompt: str, answer: str, timeout_s: float = 10.0) -> bool | None:
-    """Does the answer's code pass the ``>>>`` examples written in the prompt (the
-    cascade's code-execution signal: what a router could run without the hidden tests)?
-
-    The program is the prompt's code blocks (imports, the stub), then the answer's code
-    blocks (or the whole answer when it has none), then each example: its value must equal
-    the expected output read as a Python value (else its text: ``repr`` or ``str``), or
-    be True (``f(x) == y`` written without an output line); all of it run in
-    ``sandbox.run_python`` within ``timeout_s`` seconds. (A few HumanEval examples are
-    themselves wrong, e.g. HumanEval/47's median 15.0: such an item always fails.)
-
-    Returns:
-        True when every example passes; False when one fails, raises, or the program does
-        not finish in time; None when the prompt has no ``>>>`` examples.
-    """
-    examples = prompt_examples(prompt)
-    if not examples:
-        return None
-    code = FENCE.findall(answer) or [answer]
-    program = "\n".join([*FENCE.findall(prompt), *code]) + EXAMPLES_RUNNER.format(
-        examples=examples)
-    return run_python(program, timeout_s=timeout_s).ok
 
 
 def check(item: Item, completion: str, timeout_s: float = 10.0) -> bool:

@@ -9,7 +9,10 @@ calibrate`` on recorded answers, so both decide alike.
 
 The score is taken over the answer span. The default signal is a low quantile of the token
 log probabilities: the mean is biased by length (a long answer of confident tokens hides
-one guessed number), the minimum is one token's noise. RouteLLM (Ong et al., 2024) routes
+one guessed number), the minimum is one token's noise. ``checks`` adds proof: an answer a
+check refutes (``sluice.cascade.checks``: code failing the examples its prompt writes down,
+run by the router in a sandbox; arithmetic steps that do not add up) scores -inf and
+escalates at any threshold; other answers score the quantile. RouteLLM (Ong et al., 2024) routes
 from the prompt alone; vLLM Semantic Router escalates on token confidence with hand-set
 thresholds. Here both run in one policy, and ``calibrate.threshold_for_share`` sets the
 threshold from a target share of top-tier requests.
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from sluice.api.service import CascadeSpec, PromptFeatureWeights
 
 FEATURES = tuple(PromptFeatureWeights.model_fields)  # prompt_features' keys, in order
-SIGNALS = ("logprob-quantile", "min-logprob", "mean-logprob")
+SIGNALS = ("logprob-quantile", "min-logprob", "mean-logprob", "checks")
 
 _CODE = re.compile(r"```|^\s*(def|class|import|from|return|for|while|if)\b|[{};]\s*$|=>|::",
                    re.MULTILINE)
@@ -75,6 +78,8 @@ class Scores:
         entropy: mean per-token entropy (nats) of the top-k alternatives, renormalized; None
             without alternatives. Reported, not used to decide.
         tokens: how many tokens were scored.
+        refuted: why a check proved the answer wrong (``checks.refutation``: a reason such
+            as ``failed-examples``), None when none did or none ran.
     """
 
     quantile: float
@@ -82,9 +87,13 @@ class Scores:
     mean: float
     entropy: float | None
     tokens: int
+    refuted: str | None = None
 
     def signal(self, name: str) -> float:
-        """The score a signal (``SIGNALS``) reads."""
+        """The score a signal (``SIGNALS``) reads: ``checks`` is -inf for a refuted answer
+        (below every threshold), else the quantile."""
+        if name == "checks":
+            return -math.inf if self.refuted else self.quantile
         return {"logprob-quantile": self.quantile, "min-logprob": self.min,
                 "mean-logprob": self.mean}[name]
 

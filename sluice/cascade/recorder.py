@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,10 +31,11 @@ from pathlib import Path
 
 import httpx
 
-from sluice.cascade.evalset import (Item, arithmetic_problems, check, examples_pass,
-                                    humaneval_problems)
+from sluice.cascade.evalset import Item, arithmetic_problems, check, humaneval_problems
+from sluice.cascade.checks import examples_pass
 from sluice.cascade.policy import answer_scores
-from sluice.cascade.records import DEFAULT_QUANTILE, Record, done_pairs
+from sluice.cascade.records import (DEFAULT_QUANTILE, Record, done_pairs, load_records,
+                                    record_lines)
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +285,36 @@ def _parse(item: Item, tier: str, headers: httpx.Headers, answer: dict, seconds:
                   int(usage.get("prompt_tokens", 0)), completion_tokens, text[:ANSWER_CHARS],
                   round(seconds, 3), prompt,
                   examples_pass(prompt, text) if item.kind == "code" else None, max_tokens)
+
+
+def rescore_examples(path: str | Path) -> Counter[tuple[bool | None, bool | None]]:
+    """Run every code answer of a records file on its prompt's examples again
+    (``checks.examples_pass``) and rewrite the file (atomically) with the new ``examples``:
+    after the examples reader learns new styles, the records need no new answers. An answer
+    cut at ``ANSWER_CHARS`` keeps its recorded value (its code is not all there).
+
+    Returns:
+        (recorded, now) → code answers: what changed and what did not.
+
+    Raises:
+        ValueError: as ``records.load_records`` (a line that is not a record).
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such records file")
+    load_records(path)  # every line a record, or the error names it; nothing written yet
+    lines, changes = [], Counter()
+    for _, data in record_lines(path):
+        if data.get("kind") == "code" and len(data.get("answer", "")) < ANSWER_CHARS:
+            before = data.get("examples")
+            data["examples"] = examples_pass(data.get("prompt", ""), data.get("answer", ""))
+            changes[(before, data["examples"])] += 1
+        lines.append(json.dumps(data, ensure_ascii=False) + "\n")
+    temporary = path.with_name(path.name + ".rescore")
+    temporary.write_text("".join(lines))
+    os.replace(temporary, path)
+    return changes
 
 
 def _end_with_newline(path: Path) -> None:

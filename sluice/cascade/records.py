@@ -12,7 +12,8 @@ A line::
 ``scores`` are ``policy.answer_scores`` at quantile ``q``; ``logprobs`` (natural log, 4
 decimals) let any other quantile be replayed; ``prompt`` is the text the router's pre-route
 sees (the user message), for ``fit_pre_route``; ``examples`` (code) says whether the answer
-passes the prompt's ``>>>`` examples, the code-execution signal.
+passes the examples its prompt writes down (``sluice.cascade.checks``), the code-execution
+check.
 
 Lines are appended one at a time and flushed, so a crash tears at most the last line, which
 reading skips (and a resumed recording redoes).
@@ -24,16 +25,15 @@ import json
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from sluice.cascade.checks import FAILED_EXAMPLES, WRONG_ARITHMETIC, wrong_steps
 from sluice.cascade.policy import Scores, answer_scores
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_QUANTILE = 0.1  # CascadeEscalationSpec.quantile's default
-# signals only a replay reads (the router runs no code): see Record.score
-REPLAY_SIGNALS = ("code-examples",)
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ class Record:
         answer: the answer's text (first 2,000 characters).
         seconds: the request's wall time.
         prompt: the text the router's pre-route reads ("" when not recorded).
-        examples: for code, ``evalset.examples_pass``: whether the answer passes the
-            prompt's ``>>>`` examples (None: not code, no examples, or not recorded).
+        examples: for code, ``checks.examples_pass``: whether the answer passes the
+            examples its prompt writes (None: not code, no examples, or not recorded).
         max_tokens: the completion-token limit the answer was asked with (None: recorded
             before it was kept, with the recorder's defaults).
     """
@@ -75,8 +75,8 @@ class Record:
     def score(self, signal: str, quantile: float = DEFAULT_QUANTILE,
               prefix_tokens: int | None = None) -> float:
         """The signal's score; a quantile other than ``q`` is recomputed from ``logprobs``.
-        ``code-examples`` is the logprob quantile, and -100 (sure to escalate) for code
-        that fails one of its prompt's examples.
+        ``checks`` is the logprob quantile, and -inf (escalates at any threshold) for an
+        answer a check refutes (``refuted``; ``Scores.signal``).
 
         Args:
             prefix_tokens: score only the answer's first K tokens, as the router's ``prefix``
@@ -84,20 +84,26 @@ class Record:
                 answers).
 
         Raises:
-            ValueError: ``code-examples`` with ``prefix_tokens`` (running the code needs the
-                whole answer).
+            ValueError: ``checks`` with ``prefix_tokens`` (a check needs the whole answer).
         """
-        if signal == "code-examples":
+        if signal == "checks":
             if prefix_tokens is not None:
-                raise ValueError("the code-examples signal runs the whole answer's code: it "
-                                 "has no prefix mode")
-            return -100.0 if self.examples is False else self.score("logprob-quantile",
-                                                                    quantile)
+                raise ValueError("the checks signal judges whole answers (it runs their "
+                                 "code): it has no prefix mode")
+            return replace(self.scores, quantile=self.score("logprob-quantile", quantile),
+                           refuted=self.refuted()).signal(signal)
         if prefix_tokens is not None:
             return answer_scores(self.logprobs[:prefix_tokens], q=quantile).signal(signal)
         if signal == "logprob-quantile" and not math.isclose(quantile, self.q):
             return answer_scores(self.logprobs, q=quantile).quantile
         return self.scores.signal(signal)
+
+    def refuted(self) -> str | None:
+        """``checks.refutation`` of the answer, with the code examples' result as recorded
+        (``examples``: the recorder ran them on the whole answer)."""
+        if wrong_steps(self.answer):
+            return WRONG_ARITHMETIC
+        return FAILED_EXAMPLES if self.examples is False else None
 
     def escalation_tokens(self, prefix_tokens: int | None = None) -> int:
         """Tokens paid for this answer when it escalates: the prompt and what was generated
@@ -108,7 +114,9 @@ class Record:
 
     def to_json(self) -> dict:
         out = asdict(self)
-        out["scores"] = {"q": out.pop("q"), **out["scores"]}
+        scores = out["scores"]
+        del scores["refuted"]  # replayed from ``examples`` and ``answer`` (``refuted()``)
+        out["scores"] = {"q": out.pop("q"), **scores}
         out["logprobs"] = [round(lp, 4) for lp in self.logprobs]
         return out
 
@@ -125,7 +133,7 @@ class Record:
                    None if data.get("max_tokens") is None else int(data["max_tokens"]))
 
 
-def _lines(path: Path) -> Iterable[tuple[int, dict]]:
+def record_lines(path: Path) -> Iterable[tuple[int, dict]]:
     """(line number, parsed object) of a JSONL file; a line that is not JSON (a torn write,
     after a crash) is skipped with a warning.
 
@@ -160,7 +168,7 @@ def load_records(path: str | Path) -> list[Record]:
             wrong), or a file that is not UTF-8 text.
     """
     records = []
-    for n, data in _lines(Path(path)):
+    for n, data in record_lines(Path(path)):
         try:
             records.append(Record.from_json(data))
         except (KeyError, TypeError, ValueError) as e:
@@ -172,5 +180,5 @@ def load_records(path: str | Path) -> list[Record]:
 def done_pairs(path: str | Path) -> set[tuple[str, str]]:
     """The (item id, tier) pairs already recorded in ``path`` (empty if it does not exist):
     what a resumed ``record`` skips."""
-    return {(str(d["id"]), str(d["tier"])) for _, d in _lines(Path(path))
+    return {(str(d["id"]), str(d["tier"])) for _, d in record_lines(Path(path))
             if "id" in d and "tier" in d}

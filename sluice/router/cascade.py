@@ -7,7 +7,9 @@ SLO-aware choice of a worker, retries), with ``model`` set to the tier's served 
     x-sluice-cascade header / pre-route ──▶ a tier that answers as asked (relayed as is)
     otherwise the first tier, judged:
         logprobs requested internally (whatever the client asked) → the answer's score
-        (``sluice.cascade.policy``) → below the threshold: the next tier; else it answers
+        (``sluice.cascade.policy``; ``checks``: -inf when ``sluice.cascade.checks`` proves
+        it wrong, its code run on the prompt's examples in a sandbox) → below the threshold:
+        the next tier; else it answers
 
 A judged tier's answer reaches the client only once judged:
 
@@ -28,14 +30,17 @@ the body is the answering tier's served model name, as its worker wrote it.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi.responses import Response
 from starlette.requests import Request
 
+from sluice.cascade.checks import refutation
 from sluice.cascade.policy import BadCascadeHeader, CascadePolicy, Scores
 from sluice.cascade.tiers import Resolved, manifest_cascades as resolve_manifest
 from sluice.router.metrics import RouterMetrics
@@ -140,11 +145,13 @@ async def serve(request: Request, cascade: Cascade, body: dict[str, Any], send: 
                 continue
             return _tagged(metrics, cascade, judged, tier, start, score)
         score = judged.scores.signal(policy.signal)
-        metrics.cascade_score.labels(cascade.name, policy.tiers[tier]).observe(score)
+        if math.isfinite(score):  # -inf: proven wrong (checks), no score to show
+            metrics.cascade_score.labels(cascade.name, policy.tiers[tier]).observe(score)
         if not policy.escalates(tier, judged.scores):
             return _tagged(metrics, cascade, judged.respond(), tier, start, score)
         await judged.discard()
-        metrics.cascade_escalations.labels(cascade.name, policy.tiers[tier], "low-score").inc()
+        reason = judged.scores.refuted or "low-score"
+        metrics.cascade_escalations.labels(cascade.name, policy.tiers[tier], reason).inc()
         metrics.cascade_wasted_tokens.labels(cascade.name, policy.tiers[tier]).inc(judged.tokens)
         metrics.cascade_wasted_cost.labels(cascade.name, policy.tiers[tier]).inc(
             judged.tokens * cascade.costs[tier])
@@ -193,6 +200,10 @@ async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier:
     """Ask tier ``tier`` with logprobs on and score its answer (a stream: its first
     ``prefix_tokens`` tokens in ``prefix`` mode, all of it in ``buffer`` mode).
 
+    With the ``checks`` signal each choice is then checked (``checks.refutation`` in a
+    thread: its code run on the prompt's examples takes at most 10 s, not watched for the
+    client leaving).
+
     Returns:
         the held answer, or the tier's response when it did not answer 200 (or 499 when
         the client left while a stream was held, 502 when a stream held to its end carries
@@ -210,11 +221,14 @@ async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier:
     headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
     if not isinstance(response, RelayResponse):  # a plain answer: all of it is here
         answer = json.loads(response.body)
-        per_choice = [_choice_logprobs(c, chat) for c in answer.get("choices") or ()]
+        choices = answer.get("choices") or ()
+        per_choice = [_choice_logprobs(c, chat) for c in choices]
+        texts = [_choice_text(c, chat) for c in choices]
         if strip:
-            for choice in answer.get("choices") or ():
+            for choice in choices:
                 choice["logprobs"] = None
-        return Held(_worst(cascade.policy, per_choice), sum(map(len, per_choice)),
+        return Held(await _worst(cascade.policy, body, per_choice, texts),
+                    sum(map(len, per_choice)),
                     plain=Response(json.dumps(answer).encode(), 200, headers))
     limit = cascade.prefix_tokens if cascade.mode == "prefix" else None
     try:
@@ -229,9 +243,9 @@ async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier:
         if any("error" in (_data(e) or {}) for e in events[-2:]):  # broke mid-answer:
             return Response(status_code=502)  # a tier error, not an answer to judge
     per_choice = _stream_logprobs(events, chat)
-    return Held(_worst(cascade.policy, per_choice), sum(map(len, per_choice)), events=events,
-                partial=partial, rest=None if done else response.chunks, strip=strip,
-                headers=headers)
+    scores = await _worst(cascade.policy, body, per_choice, _stream_texts(events, chat))
+    return Held(scores, sum(map(len, per_choice)), events=events, partial=partial,
+                rest=None if done else response.chunks, strip=strip, headers=headers)
 
 
 def _asked_logprobs(body: Mapping[str, Any], chat: bool) -> bool:
@@ -240,10 +254,34 @@ def _asked_logprobs(body: Mapping[str, Any], chat: bool) -> bool:
     return isinstance(body.get("logprobs"), int) and not isinstance(body.get("logprobs"), bool)
 
 
-def _worst(policy: CascadePolicy, per_choice: list[list[float]]) -> Scores:
-    """The lowest-scoring choice's scores (n > 1: every answer must hold)."""
+async def _worst(policy: CascadePolicy, body: Mapping[str, Any], per_choice: list[list[float]],
+                 texts: list[str]) -> Scores:
+    """The lowest-scoring choice's scores (n > 1: every answer must hold); ``texts``: the
+    choices' answers, checked (``checks.refutation``) for the ``checks`` signal."""
     scored = [policy.score(lps) for lps in per_choice] or [policy.score([])]
+    if policy.signal == "checks":
+        prompt = prompt_text(body)
+        scored = [replace(s, refuted=await asyncio.to_thread(refutation, prompt, text))
+                  for s, text in zip(scored, texts)] or scored
     return min(scored, key=lambda s: s.signal(policy.signal))
+
+
+def _choice_text(choice: Mapping[str, Any], chat: bool) -> str:
+    """One choice's answer text (or one chunk's piece of it)."""
+    if chat:
+        part = choice.get("message") or choice.get("delta") or {}
+        text = part.get("content") if isinstance(part, dict) else None
+    else:
+        text = choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def _stream_texts(events: list[bytes], chat: bool) -> list[str]:
+    per_index: dict[int, list[str]] = {}
+    for event in events:
+        for choice in (_data(event) or {}).get("choices") or ():
+            per_index.setdefault(choice.get("index", 0), []).append(_choice_text(choice, chat))
+    return ["".join(per_index[i]) for i in sorted(per_index)]
 
 
 def _choice_logprobs(choice: Mapping[str, Any], chat: bool) -> list[float]:

@@ -75,10 +75,10 @@ class RouterMetrics:
             registry=reg)
         self.cascade_escalations = Counter(
             names.ROUTER_CASCADE_ESCALATIONS, "Answers sent up from a tier, by reason "
-            "(low-score, tier-error).", ["cascade", "tier", "reason"], registry=reg)
+            "(low-score, failed-examples, wrong-arithmetic, tier-error).", ["cascade", "tier", "reason"], registry=reg)
         self.cascade_score = Histogram(
             names.ROUTER_CASCADE_SCORE, "Scores of judged answers (the escalation signal, a "
-            "log probability).", ["cascade", "tier"], buckets=SCORE_BUCKETS, registry=reg)
+            "log probability; an answer a check proved wrong has none).", ["cascade", "tier"], buckets=SCORE_BUCKETS, registry=reg)
         self.cascade_wasted_tokens = Counter(
             names.ROUTER_CASCADE_WASTED_TOKENS, "Tokens a tier generated for answers that "
             "escalated (never sent).", ["cascade", "tier"], registry=reg)
