@@ -393,7 +393,11 @@ def test_client_leaving_a_stream_stops_the_worker(router, workers):
             assert r.status_code == 200
             start = time.monotonic()
             received = b""
-            for chunk in r.iter_raw():  # 0.5 s in, and tokens flowing (not just a role chunk)
+            # held in a name: a `for` over r.iter_raw() left early drops the generator, and
+            # closing it closes the connection, so the client would already have left (and
+            # the worker aborted) by the scrape below: most runs won that race, some CI runs not
+            chunks = r.iter_raw()
+            for chunk in chunks:  # 0.5 s in, and tokens flowing (not just a role chunk)
                 received += chunk
                 if time.monotonic() - start > 0.5 and received.count(b"data: ") >= 3:
                     break
@@ -406,6 +410,7 @@ def test_client_leaving_a_stream_stops_the_worker(router, workers):
                                     for u in workers)]
             assert sorted(running for running, _ in load) == [0, 1], load
             assert all((usage > 0) == (running == 1) for running, usage in load), load
+            chunks.close()  # the client leaves
     assert wait_until(lambda: idle(workers), deadline)
     assert wait_until(lambda: metric(router, names.ROUTER_IN_FLIGHT) == 0, deadline)
 
