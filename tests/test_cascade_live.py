@@ -230,14 +230,18 @@ def test_check_cli_says_when_every_request_failed(tmp_path):
                                        "(the warnings above say why)")
 
 
-def test_the_live_checks_manifest_serves_its_cascade():
-    """bench/cascade_live.yaml (the issue's live run) validates, and its cascade resolves to
-    the two Qwen tiers at the threshold the committed check ran with."""
+def test_the_live_checks_manifest_serves_its_cascades():
+    """bench/cascade_live.yaml (the issue's live runs) validates, and its cascades resolve
+    to the two Qwen tiers, each at the signal and threshold its committed check ran with."""
     from sluice.cascade.tiers import manifest_cascades
 
     served = manifest_cascades(ROOT / "bench" / "cascade_live.yaml")
-    assert list(served) == ["coder-15"]
-    assert served["coder-15"].models == ("Qwen2.5-Coder-0.5B-Instruct",
-                                         "Qwen2.5-Coder-1.5B-Instruct")
-    ran = json.loads((ROOT / "bench" / "results" / "cascade_live.json").read_text())
-    assert served["coder-15"].spec.escalation.threshold == ran["threshold"]
+    assert list(served) == ["coder-15", "coder-15-checks", "coder-15-prefix"]
+    for name, resolved in served.items():
+        assert resolved.models == ("Qwen2.5-Coder-0.5B-Instruct", "Qwen2.5-Coder-1.5B-Instruct")
+    for name, results in (("coder-15", "cascade_live.json"),
+                          ("coder-15-checks", "cascade_live_checks.json")):
+        ran = json.loads((ROOT / "bench" / "results" / results).read_text())
+        escalation = served[name].spec.escalation
+        assert (escalation.signal, escalation.threshold) == (ran["signal"], ran["threshold"])
+    assert served["coder-15-prefix"].spec.streaming.mode == "prefix"

@@ -229,7 +229,8 @@ def test_readme_cascade_commands_under_sluice_up(tmp_path):
     """README's cascade section, as written: `sluice up -f examples/cascade.yaml`, its curl
     (the answer names its tier), then `sluice cascade record` of four arithmetic problems
     (one block of four per tier) through that router (answers cut at 48 tokens: the plumbing
-    is under test, not the models), `sluice cascade calibrate` on what it recorded, and
+    is under test, not the models), `sluice cascade rescore` of them (no code: nothing
+    changes), `sluice cascade calibrate` on what it recorded, and
     `sluice cascade check` of the served cascade against the replay of those records."""
     import re
     import subprocess
@@ -262,6 +263,11 @@ def test_readme_cascade_commands_under_sluice_up(tmp_path):
         assert sorted((r["id"], r["tier"]) for r in lines) == sorted(
             {(r["id"], t) for r in lines for t in ("smollm2", "qwen-coder")})
         assert len(lines) == 8 and all(isinstance(r["correct"], bool) for r in lines)
+        rescore = subprocess.run([*cli, "rescore", "--records", str(records)],
+                                 capture_output=True, text=True, timeout=300)
+        assert rescore.returncode == 0, rescore.stderr[-3000:]
+        assert "0 code answers run on their prompts' examples; 0 changed" in rescore.stdout
+        assert [json.loads(line) for line in records.read_text().splitlines()] == lines
         calibrate = subprocess.run([*cli, "calibrate", "--records", str(records), "--tiers",
                                     "smollm2,qwen-coder", "--target-top-share", "0.5",
                                     "--splits", "2"], capture_output=True, text=True,
