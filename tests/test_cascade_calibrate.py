@@ -536,7 +536,9 @@ def test_wrong_steps_reads_plain_arithmetic_and_skips_what_it_cannot_read():
     assert wrong_steps("total = 95 + 6 + 30 - 64 + 79 = 194") == ["95 + 6 + 30 - 64 + 79 = 194"]
     assert wrong_steps("10 / 3 = 3.33, 1,000 + 2 = 1,002, 2 * 3 + 1 = 7, 7 − 2 = 5") == []
     for unread in ("2 + 3 = 5 + 1 = 6", "(2 + 3) * 4 = 21", "x^2 + 3 = 12", "50 * 20% = 11",
-                   "2 + 3 = 6x", "assert 2 + 2 == 5", "n + 1 = 3"):
+                   "2 + 3 = 6x", "assert 2 + 2 == 5", "n + 1 = 3",
+                   " + ".join(["1"] * 20) + " = 20",  # over 16 operations; its tail is no step
+                   "3 * " * 200 + "3 = 1"):  # a line over 500 characters
         assert wrong_steps(unread) == [], unread
     assert refutation("Add them.", "2 + 2 = 5") == "wrong-arithmetic"
     assert refutation(STUB, RIGHT.replace("all(", "any(")) == "failed-examples"

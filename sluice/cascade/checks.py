@@ -17,7 +17,9 @@ run on every judged answer:
   (``wrong_steps``): each one whose result is not what its left side computes (to the
   decimals written) is a wrong step, and an answer built on one is wrong. Only plain chains
   of numbers and ``+ - * / × ÷ x \\times \\div`` are read: a step with a parenthesis, a
-  power, a variable or a percentage is skipped, never guessed at.
+  power, a variable or a percentage is skipped, never guessed at; so are chains of more
+  than ``MAX_STEP_OPERATIONS`` operations and lines over ``MAX_LINE_CHARS`` (both readers
+  stay linear in the text: the router runs them on every judged answer).
 
 ``refutation`` runs both: an answer either check refutes escalates at any threshold
 (``policy.Scores.signal``).
@@ -38,11 +40,15 @@ ARROW = re.compile(r"[ \t]*(?:==>|=>|==|➞|->|→|=|#[ \t]*=>|#[ \t]*returns?|r
 BOOLEANS = {"true": "True", "false": "False"}
 EXAMPLES_TIMEOUT_S = 10.0
 FAILED_EXAMPLES, WRONG_ARITHMETIC = "failed-examples", "wrong-arithmetic"  # refutations
+MAX_LINE_CHARS = 500  # longer lines hold no example or step worth reading: skipped
+MAX_STEP_OPERATIONS = 16  # a longer chain is skipped (and the step regex stays linear)
 
 _NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?"
 _OPERATOR = r"(?:\+|-|−|\*|×|x|\\times|\\cdot|·|/|÷|\\div)"
-STEP = re.compile(rf"(?<![\w^.)\]/*+\-−]){_NUMBER}(?:[ \t]*{_OPERATOR}[ \t]*{_NUMBER})+"
+STEP = re.compile(rf"(?<![\w^.)\]/*+\-−]){_NUMBER}"
+                  rf"(?:[ \t]*{_OPERATOR}[ \t]*{_NUMBER}){{1,{MAX_STEP_OPERATIONS}}}"
                   rf"[ \t]*=[ \t]*({_NUMBER})(?![\d.]*(?:[ \t]*{_OPERATOR}|[\w^(%]))")
+_CHAIN_BEFORE = re.compile(rf"{_OPERATOR}[ \t]*$")  # a match there is the tail of a chain
 _TIMES = re.compile(r"\\times|\\cdot|×|·|(?<=\d)[ \t]*x[ \t]*(?=[\d-])")
 _DIVIDE = re.compile(r"\\div|÷")
 
@@ -101,10 +107,12 @@ def doctest_examples(prompt: str) -> list[tuple[str, str]]:
 def written_examples(prompt: str) -> list[tuple[str, str]]:
     """Examples written as ``f(args) <arrow> value`` (the module docstring's arrows), for
     ``f`` defined in the prompt, with literal arguments and a literal value; in prompt
-    order, one per line at most."""
+    order, one per line at most (lines over ``MAX_LINE_CHARS`` skipped)."""
     names = set(DEFINED.findall(prompt))
     out = []
     for line in prompt.splitlines():
+        if len(line) > MAX_LINE_CHARS:
+            continue
         for name in names:
             example = _written(line, name)
             if example:
@@ -186,9 +194,13 @@ def examples_pass(prompt: str, answer: str,
 def wrong_steps(answer: str) -> list[str]:
     """The steps ``a op b [op c ...] = r`` of an answer whose ``r`` is not the left side's
     value rounded to ``r``'s decimals (operator precedence as in Python; a division by zero
-    is wrong). ``[]`` when every step read adds up, or none was read."""
+    is wrong; lines over ``MAX_LINE_CHARS`` skipped). ``[]`` when every step read adds up,
+    or none was read."""
     wrong = []
-    for found in STEP.finditer(answer):
+    lines = (line for line in answer.splitlines() if len(line) <= MAX_LINE_CHARS)
+    for line, found in ((line, f) for line in lines for f in STEP.finditer(line)):
+        if _CHAIN_BEFORE.search(line, 0, found.start()):
+            continue  # the last operations of a longer chain: not a step of its own
         step = found.group(0)
         left, result = step.rsplit("=", 1)
         expression = _DIVIDE.sub("/", _TIMES.sub("*", left)).replace("−", "-").replace(",", "")
