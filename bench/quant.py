@@ -1,8 +1,10 @@
-"""INT8 weight-only quantization: perplexity, batch-1 decode latency and the bandwidth floor.
+"""INT8 and 4-bit weight-only quantization: perplexity, batch-1 decode latency and the
+bandwidth floor.
 
 Compares the native engine in fp32, with int8 weights (``quantize_int8``, lm_head included:
-the default of ``--quantization int8``) and with int8 layers but an fp32 lm_head (the
-measurement behind that default). Prints a table and writes JSON (default
+the default of ``--quantization int8``), with int8 layers but an fp32 lm_head (the
+measurement behind that default), and with 4-bit layers (``--quantization int4``: the
+GGUF's own Q4_1 blocks, lm_head int8). Prints a table and writes JSON (default
 bench/results/quant.json).
 
 - perplexity: of a fixed English text embedded below, from prompt logprobs (the prefill
@@ -87,12 +89,13 @@ def llama_cpp_round(python: Path, gguf: Path, prompt: list[int], max_tokens: int
 
 
 def build_engines(path: Path) -> dict[str, LLMEngine]:
-    """fp32; int8 through the engine flag; int8 layers with the lm_head left in fp32."""
+    """fp32; int8 through the engine flag; int8 layers with the lm_head left in fp32; int4."""
     def make(quantization=None):
         return LLMEngine(EngineConfig(model=str(path), quantization=quantization, kv_cache_gib=0.1))
     int8_fp32_head = make()
     quant.quantize_int8(int8_fp32_head.runner.model, lm_head=False)
-    return {"fp32": make(), "int8": make("int8"), "int8, fp32 lm_head": int8_fp32_head}
+    return {"fp32": make(), "int8": make("int8"), "int8, fp32 lm_head": int8_fp32_head,
+            "int4": make("int4")}
 
 
 def prompt_logprobs(engine: LLMEngine, ids: list[int]) -> list:
@@ -111,9 +114,10 @@ def quality(engines: dict[str, LLMEngine]) -> dict[str, dict]:
     ids = engines["fp32"].tokenizer.encode(TEXT)
     runs = {name: prompt_logprobs(e, ids) for name, e in engines.items()}
     default_rows = quant.KERNEL_MAX_ROWS
-    quant.KERNEL_MAX_ROWS = 1 << 30  # every matmul through the decode kernel (bf16 activations)
+    quant.KERNEL_MAX_ROWS = 1 << 30  # every matmul through the decode kernels
     try:
         runs["int8, decode kernel"] = prompt_logprobs(engines["int8"], ids)
+        runs["int4, decode kernel"] = prompt_logprobs(engines["int4"], ids)
     finally:
         quant.KERNEL_MAX_ROWS = default_rows
     ref_top = [lp.top[0][0] for lp in runs["fp32"]]
@@ -142,6 +146,8 @@ def bytes_per_token(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, quant.Int8Linear):
             tensors = [m.weight, m.scales_bf16, m.bias]
+        elif isinstance(m, quant.Int4Linear):  # the nibbles with their (d, m) blocks
+            tensors = [m.weight, m.bias]
         elif isinstance(m, nn.Linear):
             tensors = [m.weight, m.bias]
         elif isinstance(m, RMSNorm):
@@ -220,10 +226,11 @@ def report(result: dict) -> None:
     peer = result.get("llama_cpp")
     if peer:
         print(f"llama.cpp {peer['llama_cpp_python']} on {Path(peer['gguf']).name}, "
-              f"{result['prompt_tokens']}-token prompt: native int8 decodes at "
-              f"{peer['native_int8_vs_llama_cpp']:.2f}x its tok/s (fp32: "
+              f"{result['prompt_tokens']}-token prompt: native int4 decodes at "
+              f"{peer['native_int4_vs_llama_cpp']:.2f}x its tok/s, int8 at "
+              f"{peer['native_int8_vs_llama_cpp']:.2f}x (fp32: "
               f"{peer['native_fp32_vs_llama_cpp']:.2f}x); target >= 1: "
-              f"{'met' if peer['native_int8_vs_llama_cpp'] >= 1 else 'missed'}")
+              f"{'met' if peer['native_int4_vs_llama_cpp'] >= 1 else 'missed'}")
 
 
 def main() -> None:
@@ -301,6 +308,7 @@ def main() -> None:
             "speedup_vs_fp32": rows["fp32"]["itl_ms"] / (itl * 1e3)}
         result["llama_cpp"] = {
             "gguf": str(gguf), "llama_cpp_python": peer_runs[0]["llama_cpp_python"],
+            "native_int4_vs_llama_cpp": itl * 1e3 / rows["int4"]["itl_ms"],
             "native_int8_vs_llama_cpp": itl * 1e3 / rows["int8"]["itl_ms"],
             "native_fp32_vs_llama_cpp": itl * 1e3 / rows["fp32"]["itl_ms"]}
     if args.profile:

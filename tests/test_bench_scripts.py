@@ -60,8 +60,12 @@ def test_chunked_prefill_bench(tmp_path):
 @pytest.mark.slow
 def test_quant_bench(tmp_path):
     result = run_bench("quant.py", "--max-tokens", "4", "--rounds", "1", out=tmp_path / "quant.json")
-    assert set(result["decode"]) >= {"fp32", "int8"}
-    assert result["decode"]["int8"]["weight_bytes_per_token"] < result["decode"]["fp32"]["weight_bytes_per_token"] / 3
+    assert set(result["decode"]) >= {"fp32", "int8", "int4"}
+    weights = {name: row["weight_bytes_per_token"] for name, row in result["decode"].items()}
+    assert weights["int8"] < weights["fp32"] / 3
+    # the layers at 0.625 bytes a weight, the lm_head int8: ~95 MB against int8's ~135 MB
+    assert 0.65 < weights["int4"] / weights["int8"] < 0.75
+    assert result["quality"]["int4"]["perplexity"] < 1.01 * result["quality"]["fp32"]["perplexity"]
 
 
 LLAMA_CPP_PYTHON = ROOT / ".venv-llama-cpp" / "bin" / "python"
@@ -76,6 +80,7 @@ def test_quant_bench_against_llama_cpp(tmp_path):
     peer = result["decode"]["llama.cpp (GGUF)"]
     assert peer["itl_ms"] > 0 and peer["prefill_ms"] > 0 and peer["weight_bytes_per_token"] > 0
     assert result["llama_cpp"]["native_int8_vs_llama_cpp"] > 0
+    assert result["llama_cpp"]["native_int4_vs_llama_cpp"] > 0
 
 
 AIPERF = Path("/tmp/aiperf-venv/bin/aiperf")

@@ -1,4 +1,5 @@
-"""INT8 weight-only quantization (sluice/worker/engine/quant.py) on the real SmolLM2 weights."""
+"""INT8 and 4-bit weight-only quantization (sluice/worker/engine/quant.py) on the real
+SmolLM2 weights."""
 
 from __future__ import annotations
 
@@ -201,3 +202,114 @@ def test_perplexity_within_2_percent_of_fp32(fp32, int8, path, monkeypatch):
     assert ppl / ppl_ref < 1.02, (ppl, ppl_ref)
     top1 = sum(a.top[0][0] == b.top[0][0] for a, b in zip(ref, out)) / len(ref)
     assert top1 >= 0.9, top1
+
+
+# ------------------------------------------------------------------ 4-bit (Q4_1 blocks)
+
+@pytest.fixture(scope="module")
+def int4(model_path):
+    return LLMEngine(EngineConfig(model=str(model_path), quantization="int4", kv_cache_gib=0.1))
+
+
+def q4_1_weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Weights as a Q4_1 file dequantizes them: each block of 32 holds q = 0 and q = 15 (its
+    minimum and maximum, as llama.cpp's quantizer makes them), float16 d and m."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    q[:, 0::32], q[:, 7::32] = 0, 15
+    d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.4).half()
+    return quant.dequantize_int4(q, d, m)
+
+
+def test_int4_quantization_recovers_q4_1_blocks_and_bounds_other_weights():
+    w = q4_1_weights(8, 96)
+    q, d, m = quant.quantize_weight_int4(w)
+    assert (q.dtype, q.shape, d.dtype, d.shape) == (torch.uint8, (8, 96), torch.float16, (8, 3))
+    assert torch.equal(quant.dequantize_int4(q, d, m), w)  # a Q4_1 file's blocks, exactly
+    packed = quant.pack_int4(q, d, m)
+    assert packed.shape == (2, 3, 80) and packed.dtype == torch.uint8
+    assert all(torch.equal(a, b) for a, b in zip(quant.unpack_int4(packed), (q, d, m)))
+    # GGML's nibble order: byte j of a row's block holds q[j] low and q[j + 16] high
+    assert packed[0, 0, 0].item() == q[0, 0].item() | q[0, 16].item() << 4
+    other = torch.randn(16, 64)
+    other[1] = 0.0  # a block of one value: d = 0
+    q, d, m = quant.quantize_weight_int4(other)
+    error = (quant.dequantize_int4(q, d, m) - other).abs().reshape(16, 2, 32)
+    assert (error <= d.float().unsqueeze(2) / 2 + 1e-3 * other.abs().max()).all()
+    assert q[1].max() == 0 and torch.equal(quant.dequantize_int4(q, d, m)[1], other[1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.quantize_weight_int4(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="does not split into tiles"):
+        quant.pack_int4(*quant.quantize_weight_int4(torch.randn(6, 64)))
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 576, 960), (3, 576, 8), (5, 64, 36), (31, 1536, 64),
+                                         (0, 64, 8)])
+def test_native_int4_kernel_equals_the_dequantized_matmul(rows, k, n, monkeypatch):
+    """csrc/int4_linear.cpp: y = x @ (d q + m).T in fp32 up to summation order, for x rows
+    off its 4-row blocks and none; Int4Linear without the kernels (a dequantized fp32
+    matmul) gives the same."""
+    if not kernels.available(torch.device("cpu")):
+        pytest.skip("the native kernels did not build here (see the warning logged)")
+    torch.manual_seed(0)
+    linear = nn.Linear(k, n, bias=True)
+    linear.weight.data = q4_1_weights(n, k)
+    qlinear = quant.Int4Linear.from_linear(linear)
+    assert torch.equal(qlinear.dequantized(), linear.weight.data)
+    x = torch.randn(rows, k)
+    reference = x.double() @ linear.weight.double().T + linear.bias.double()
+    y = qlinear(x)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qlinear(x.reshape(rows, 1, k)), y.reshape(rows, 1, n))
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
+        torch.ops.sluice.int4_linear(x.double(), qlinear.weight, n)
+    with pytest.raises(RuntimeError, match="packed in tiles"):
+        torch.ops.sluice.int4_linear(x, qlinear.weight, n + 4)
+    monkeypatch.setattr(kernels, "available_for", lambda x: False)
+    torch.testing.assert_close(qlinear(x).double(), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_serves_the_gguf_q4_1_weights_losslessly(fp32, int4):
+    """The model store's SmolLM2 is the GGUF's Q4_1 layers dequantized: quantized again to
+    4 bits every layer weight comes back exactly; the lm_head (Q8_0 in the GGUF) is int8.
+    A decode step then reads 0.625 bytes a layer weight, int8's 1.008."""
+    ref, model = fp32.runner.model, int4.runner.model
+    fp32_bytes = int4_bytes = 0
+    for ref_layer, layer in zip(ref.layers, model.layers):
+        for name, linear in ref_layer.named_modules():
+            if isinstance(linear, nn.Linear):
+                qlinear = layer.get_submodule(name)
+                assert isinstance(qlinear, quant.Int4Linear)
+                assert torch.equal(qlinear.dequantized(), linear.weight.detach().float()), name
+                fp32_bytes += linear.weight.numel() * linear.weight.element_size()
+                int4_bytes += sum(t.numel() * t.element_size() for t in qlinear.buffers())
+    assert fp32_bytes / int4_bytes == 4 / 0.625
+    assert isinstance(model.lm_head, quant.Int8Linear)
+    assert isinstance(model.embed_tokens, quant.Int8Embedding)
+
+
+@pytest.mark.parametrize("path", ["prefill", "decode kernel"])
+def test_int4_perplexity_within_1_percent_of_fp32(fp32, int4, path, monkeypatch):
+    """Lossless layers leave the int8 lm_head's error: measured -0.5 % (22.35 against
+    22.46), top-1 = fp32's at 94 % of positions, both paths; the issue's bound is 1 %."""
+    if path == "decode kernel":  # every matmul through the 4-bit kernel, whatever the rows
+        monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", 1 << 30)
+    ids = fp32.tokenizer.encode(TEXT)
+    ref, out = _prompt_logprobs(fp32, ids), _prompt_logprobs(int4, ids)
+    ppl_ref = math.exp(-sum(lp.logprob for lp in ref) / len(ref))
+    ppl = math.exp(-sum(lp.logprob for lp in out) / len(out))
+    assert ppl / ppl_ref < 1.01, (ppl, ppl_ref)
+    top1 = sum(a.top[0][0] == b.top[0][0] for a, b in zip(ref, out)) / len(ref)
+    assert top1 >= 0.9, top1
+
+
+def test_int4_greedy_output_mostly_equals_fp32(fp32, int4):
+    """Measured: tokens equal to fp32's [16, 13, 16, 16, 16, 16, 15, 16] (the int8 lm_head
+    parts them at near-ties)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    batch = [fp32.tokenizer.encode(p) for p in PROMPTS]
+    agree = [_agreement(ref, out) for ref, out in zip(fp32.generate(batch, params),
+                                                     int4.generate(batch, params))]
+    assert sum(n == 16 for n in agree) >= 5 and sum(agree) >= 0.9 * 16 * len(PROMPTS), agree

@@ -113,8 +113,8 @@ class SpeculativeSpec(_Spec):
     num_tokens: int = Field(4, ge=1, le=16, description="Draft tokens verified per step.")
     model: str | None = Field(None, min_length=1, description="Draft model for method `draft`: "
                               "a model-store name (e.g. Qwen2.5-Coder-0.5B-Instruct) or a folder.")
-    quantization: Literal["int8"] | None = Field(None, description="`int8`: int8 weights for "
-                                                 "the draft model.")
+    quantization: Literal["int8", "int4"] | None = Field(
+        None, description="`int8` or `int4` weights for the draft model (as the engine's).")
 
     @model_validator(mode="after")
     def _check_draft(self) -> SpeculativeSpec:
@@ -137,8 +137,10 @@ class NativeEngineOptions(_Spec):
                                       "(prompt + output); unset: the model's, capped.")
     enable_prefix_caching: bool | None = Field(None, description="Reuse the KV blocks of "
                                                "shared prompt prefixes across requests.")
-    quantization: Literal["int8"] | None = Field(None, description="`int8`: per-channel int8 "
-                                                 "weight-only linear layers.")
+    quantization: Literal["int8", "int4"] | None = Field(
+        None, description="`int8`: per-channel int8 weight-only linear layers; `int4`: the "
+        "decoder layers' linears in 4-bit blocks of 32 weights with a scale and a minimum "
+        "each (llama.cpp's Q4_1), the lm_head int8.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding; "
                                                 "unset: off.")
 

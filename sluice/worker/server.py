@@ -46,7 +46,7 @@ from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
 from sluice.argtypes import nonblank, number, port, positive_count, positive_seconds
 from sluice.logs import quiet_probe_access_logs
 from sluice.models import store
-from sluice.worker.engine.config import EngineConfig
+from sluice.worker.engine.config import QUANTIZATIONS, EngineConfig
 from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.generation import (Engine, chat_choices, chat_prompt, completion_choices,
                                       generate_response)
@@ -92,15 +92,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults["enable_prefix_caching"],
                         help="reuse KV blocks of shared prompt prefixes (default: %(default)s)")
-    parser.add_argument("--quantization", choices=("int8",),
-                        help="int8: per-channel int8 weight-only linear layers (default: none)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="int8: per-channel int8 weight-only linear layers; int4: the "
+                        "decoder layers' linears in 4-bit blocks of 32 (llama.cpp's Q4_1; "
+                        "lm_head int8) (default: none)")
     parser.add_argument("--speculative-method", choices=("ngram", "draft"),
                         help="ngram: prompt-lookup speculative decoding; draft: a smaller "
                              "model with the same tokenizer, --speculative-model (default: off)")
     parser.add_argument("--speculative-model",
                         help="draft model for --speculative-method draft: store name or folder")
     parser.add_argument("--speculative-quantization", dest="speculative_model_quantization",
-                        choices=("int8",), help="int8 weights for the draft model (default: none)")
+                        choices=QUANTIZATIONS,
+                        help="int8 or int4 weights for the draft model (default: none)")
     parser.add_argument("--speculative-num-tokens", dest="num_speculative_tokens", type=positive_count,
                         default=defaults["num_speculative_tokens"],
                         help="draft tokens verified per step (default: %(default)s)")

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_MODEL_LEN = 8192  # the context a worker serves: the model's, capped at this
 
+QUANTIZATIONS = ("int8", "int4")  # weight-only (quant.py)
+
+
 @dataclass
 class EngineConfig:
     """Options of the native engine (worker flags map 1:1 onto these).
@@ -27,12 +30,13 @@ class EngineConfig:
             0.2 s for SmolLM2-135M on two CPU cores, short enough that a long prompt
             keeps other requests' p99 TTFT within 3x; bench/chunked_prefill.py).
         enable_prefix_caching: reuse the KV blocks of a shared prompt prefix across requests.
-        quantization: None, or "int8" for per-output-channel int8 weight-only linears.
+        quantization: None, "int8" for per-output-channel int8 weight-only linears, or
+            "int4" for the decoder layers' linears in 4-bit Q4_1 blocks (lm_head int8).
         speculative_method: None; "ngram" for prompt-lookup speculative decoding; "draft"
             for a smaller draft model sharing the tokenizer (``speculative_model``).
         num_speculative_tokens: k, the most draft tokens verified per step.
         speculative_model: converted folder of the draft model (method "draft").
-        speculative_model_quantization: None, or "int8" for the draft model's linears.
+        speculative_model_quantization: None, "int8" or "int4" for the draft model.
         max_sequences_per_request: the most engine requests one API request may fan out
             into (prompts × n); the server answers 400 beyond. Default 2048: OpenAI's own
             caps (n <= 128, 2,048 prompts) multiply to 262,144 sequences, which would hold a
@@ -78,8 +82,9 @@ class EngineConfig:
             raise ValueError("long_prefill_token_threshold must be >= 1, "
                              f"got {self.long_prefill_token_threshold}")
         for name in ("quantization", "speculative_model_quantization"):
-            if getattr(self, name) not in (None, "int8"):
-                raise ValueError(f"{name} must be int8 or unset, got {getattr(self, name)!r}")
+            if getattr(self, name) not in (None, *QUANTIZATIONS):
+                raise ValueError(f"{name} must be int8, int4 or unset, "
+                                 f"got {getattr(self, name)!r}")
         if self.speculative_method not in (None, "ngram", "draft"):
             raise ValueError("speculative_method must be ngram, draft or unset, "
                              f"got {self.speculative_method!r}")

@@ -31,7 +31,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_decode.cpp", "int8_linear.cpp", "decode_ops.cpp"))
+                for name in ("paged_decode.cpp", "int8_linear.cpp", "int4_linear.cpp",
+                             "decode_ops.cpp"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # A build holds torch's lock file (``lock`` in its folder) for ~20 s here; one older than
 # this is a build that was killed, and would make every later worker wait for it forever.

@@ -25,7 +25,8 @@ class ModelRunner:
         block_size: tokens per KV block.
         dtype: "float32", "bfloat16" or "float16".
         device: "cpu" or "cuda".
-        quantization: None, or "int8" (weight-only, applied after loading; see quant.py).
+        quantization: None, "int8" or "int4" (weight-only, applied after loading; see
+            quant.py).
 
     ``attention_break_even`` is the context length (tokens) at which a prefill token's
     attention costs as many FLOPs as its linear layers (3,072 for SmolLM2-135M); the
@@ -53,10 +54,10 @@ class ModelRunner:
             torch.set_default_dtype(torch.float32)
         model.rotary.to(self.device)
         model.load_weights(model_dir, self.device)
-        if quantization == "int8":
-            from sluice.worker.engine.quant import quantize_int8
+        if quantization is not None:
+            from sluice.worker.engine.quant import quantize_int4, quantize_int8
 
-            quantize_int8(model)
+            {"int8": quantize_int8, "int4": quantize_int4}[quantization](model)
         self.model = model.eval()
 
         # per layer: a prefill token's linear layers cost 2 FLOPs per weight, its attention

@@ -1,4 +1,5 @@
-"""INT8 weight-only post-training quantization: an offline conversion plus a module swap.
+"""INT8 and 4-bit weight-only post-training quantization: an offline conversion plus a
+module swap.
 
 ``quantize_int8(model)`` replaces every ``nn.Linear`` of the decoder layers (``qkv_proj``,
 ``o_proj``, ``gate_up_proj``, ``down_proj``) and, by default, the ``lm_head`` with an
@@ -46,6 +47,17 @@ Kernels, for few rows (decode; ``KERNEL_MAX_ROWS``):
 
 The tied embedding (SmolLM2, Qwen2.5) shares one int8 table and one set of scales with the
 lm_head: the lookup dequantizes just the rows it gathers (``Int8Embedding``).
+
+4-bit (``quantize_int4``): the decoder layers' linears in llama.cpp's Q4_1 format, each row
+in blocks of 32 weights with a float16 scale d and minimum m, ``W = d * q + m`` for q in
+[0, 15] (``quantize_weight_int4``: m = the block's minimum, d = its range / 15); the lm_head
+and tied embedding stay int8 (the GGUF files the model store reads hold them in 8 bits,
+Q8_0, and the layers in Q4_1). Weights dequantized from a Q4_1 file come back to the file's
+own blocks: a block's minimum is its m and its maximum m + 15 d, since Q4_1 quantizes them
+to 0 and 15. ``Int4Linear`` runs ``torch.ops.sluice.int4_linear`` (``csrc/int4_linear.cpp``)
+for few fp32 rows, over the blocks packed in 4-row tiles (``pack_int4``); otherwise, and
+without the native kernels, it dequantizes the weight for each call and runs the fp32
+matmul (correct, but batch-1 decode then costs more than fp32's).
 """
 
 from __future__ import annotations
@@ -94,6 +106,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 TILE_ROWS, TILE_COLUMNS = 4, 16  # csrc/int8_linear.cpp's tile: 4 rows x 16-column chunks
+INT4_BLOCK = 32  # weights per (scale, minimum) block: llama.cpp's Q4_1
+INT4_BLOCK_BYTES = TILE_ROWS * INT4_BLOCK // 2 + TILE_ROWS * 4  # csrc/int4_linear.cpp: 80
 
 
 def pack_tiles(q: torch.Tensor) -> torch.Tensor:
@@ -112,6 +126,120 @@ def unpack_tiles(packed: torch.Tensor) -> torch.Tensor:
     """``pack_tiles``'s inverse: [N / 4, K / 16, 4, 16] → [N, K] (a copy)."""
     tiles, chunks = packed.shape[:2]
     return packed.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, chunks * TILE_COLUMNS)
+
+
+def quantize_weight_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantization in blocks of 32 weights along each row (Q4_1).
+
+    Args:
+        weight: [N, K] float tensor, K a multiple of 32.
+
+    Returns:
+        (q, d, m): q [N, K] uint8 in [0, 15]; d, m [N, K / 32] float16, such that
+        ``d * q + m`` (per block, in fp32) approximates ``weight`` within ``d / 2`` plus
+        float16's rounding of d and m; weights that are a Q4_1 file's dequantized values
+        come back exactly.
+
+    Raises:
+        ValueError: K is not a multiple of 32.
+    """
+    n, k = weight.shape
+    if k % INT4_BLOCK:
+        raise ValueError(f"in_features {k} is not a multiple of {INT4_BLOCK}")
+    w = weight.detach().float().reshape(n, k // INT4_BLOCK, INT4_BLOCK)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    d, m = ((high - low) / 15).half(), low.half()
+    scale = d.float().unsqueeze(2)
+    q = torch.where(scale > 0, torch.round((w - m.float().unsqueeze(2)) / scale.clamp_min(1e-30)),
+                    torch.zeros_like(w))
+    return q.clamp_(0, 15).to(torch.uint8).reshape(n, k), d, m
+
+
+def dequantize_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``quantize_weight_int4``'s weights back in fp32: [N, K]."""
+    n, k = q.shape
+    blocks = q.float().reshape(n, k // INT4_BLOCK, INT4_BLOCK)
+    return torch.addcmul(m.float().unsqueeze(2), blocks, d.float().unsqueeze(2)).reshape(n, k)
+
+
+def pack_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """(q [N, K], d, m [N, K / 32]) → [N / 4, K / 32, 80] uint8, csrc/int4_linear.cpp's
+    layout: per tile of 4 rows and block of 32 columns, each row's 32 nibbles in 16 bytes
+    (byte j: q[j] low, q[j + 16] high, as GGML stores Q4_1), then each row's (d, m).
+
+    Raises ValueError when N is not a multiple of 4 or K of 32."""
+    n, k = q.shape
+    if n % TILE_ROWS or k % INT4_BLOCK:
+        raise ValueError(f"[{n}, {k}] does not split into tiles of {TILE_ROWS} x {INT4_BLOCK}")
+    blocks = q.reshape(n, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+    nibbles = blocks[:, :, 0] | (blocks[:, :, 1] << 4)  # [N, K / 32, 16]
+    dm = torch.stack([d, m], dim=2).view(torch.uint8)  # [N, K / 32, 4]: d then m, as bytes
+    rows = torch.cat([nibbles, dm], dim=2)  # [N, K / 32, 20]
+    tiles = rows.reshape(n // TILE_ROWS, TILE_ROWS, k // INT4_BLOCK, 20).permute(0, 2, 1, 3)
+    return torch.cat([tiles[..., :16].reshape(n // TILE_ROWS, k // INT4_BLOCK, -1),
+                      tiles[..., 16:].reshape(n // TILE_ROWS, k // INT4_BLOCK, -1)],
+                     dim=2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_int4``'s inverse: (q [N, K] uint8, d, m [N, K / 32] float16)."""
+    tiles, blocks = packed.shape[:2]
+    n, k = tiles * TILE_ROWS, blocks * INT4_BLOCK
+    nibbles = packed[..., :TILE_ROWS * 16].reshape(tiles, blocks, TILE_ROWS, 16)
+    dm = packed[..., TILE_ROWS * 16:].reshape(tiles, blocks, TILE_ROWS, 4)
+    nibbles = nibbles.permute(0, 2, 1, 3).reshape(n, blocks, 16)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).reshape(n, k)
+    dm = dm.permute(0, 2, 1, 3).reshape(n, blocks, 4).contiguous().view(torch.float16)
+    return q, dm[..., 0].contiguous(), dm[..., 1].contiguous()
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` replacement with 4-bit weights in Q4_1 blocks (``quantize_weight_int4``),
+    packed for ``csrc/int4_linear.cpp`` (``pack_int4``).
+
+    Args:
+        packed: [out_features / 4, in_features / 32, 80] uint8.
+        out_features: N.
+        bias: [out_features] or None.
+
+    ``forward``: x [..., in_features] → [..., out_features] in x's dtype: the native kernel
+    for few fp32 rows on CPU (``KERNEL_MAX_ROWS``), else the dequantized weight's matmul.
+    """
+
+    def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = out_features, packed.shape[1] * INT4_BLOCK
+        self.register_buffer("weight", packed)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
+        packed = pack_int4(*quantize_weight_int4(linear.weight))
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(packed, linear.out_features, bias)
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        """Whether ``linear``'s shape splits into the kernel's tiles and blocks."""
+        return linear.out_features % TILE_ROWS == 0 and linear.in_features % INT4_BLOCK == 0
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights [out_features, in_features] in fp32."""
+        return dequantize_int4(*unpack_int4(self.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            y = self.forward(x.reshape(-1, self.in_features))
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if x.shape[0] < KERNEL_MAX_ROWS and x.dtype == torch.float32 and kernels.available_for(x):
+            y = torch.ops.sluice.int4_linear(x.contiguous(), self.weight, self.out_features)
+        else:
+            y = F.linear(x, self.dequantized().to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, weight=4-bit in blocks of {INT4_BLOCK} (Q4_1)"
 
 
 class Int8Linear(nn.Module):
@@ -200,7 +328,7 @@ class Int8Embedding(nn.Module):
 
 
 @torch.no_grad()
-def quantize_int8(model: nn.Module, lm_head: bool = True) -> nn.Module:
+def quantize_int8(model: nn.Module, lm_head: bool = True, layers: bool = True) -> nn.Module:
     """Swap the model's linears for ``Int8Linear`` in place (call after loading weights).
 
     Args:
@@ -211,13 +339,15 @@ def quantize_int8(model: nn.Module, lm_head: bool = True) -> nn.Module:
             is 113 MB of the 538 MB fp32 weights: left in fp32 it is half of the bytes a
             decode step reads (220 MB vs 135 MB). Measured (bench/quant.py, 1 thread):
             batch-1 ITL 39 → 31 ms for perplexity 22.32 → 22.36 (fp32: 22.25), so it is on.
+        layers: quantize the decoder layers' linears (``quantize_int4`` quantizes them
+            itself, then only the lm_head here).
 
     Returns:
         the same model, for chaining.
     """
     before = _weight_bytes(model)
     count = 0
-    for layer in model.layers:
+    for layer in model.layers if layers else ():
         for parent in layer.modules():
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
@@ -233,6 +363,32 @@ def quantize_int8(model: nn.Module, lm_head: bool = True) -> nn.Module:
                                                model.lm_head.packed)
     logger.info("int8 weight-only: %d linears%s quantized, weights %.1f MiB -> %.1f MiB", count,
                 " (lm_head included)" if lm_head else "", before / 2**20, _weight_bytes(model) / 2**20)
+    return model
+
+
+@torch.no_grad()
+def quantize_int4(model: nn.Module) -> nn.Module:
+    """Swap the decoder layers' linears for ``Int4Linear`` (those whose shape splits into
+    its tiles; any other stays fp32) and the lm_head, with a tied embedding, for int8
+    (``quantize_int8``'s): in place, after loading weights.
+
+    Returns:
+        the same model, for chaining.
+    """
+    before = _weight_bytes(model)
+    count = 0
+    for layer in model.layers:
+        for parent in layer.modules():
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and Int4Linear.fits(child):
+                    setattr(parent, name, Int4Linear.from_linear(child))
+                    count += 1
+    if not kernels.available(next(model.parameters()).device):
+        logger.warning("4-bit weights without the native kernels: every matmul dequantizes its "
+                       "weight first (slower than fp32)")
+    quantize_int8(model, lm_head=True, layers=False)
+    logger.info("4-bit weight-only: %d linears quantized (lm_head int8), weights %.1f MiB -> "
+                "%.1f MiB", count, before / 2**20, _weight_bytes(model) / 2**20)
     return model
 
 
