@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -469,6 +470,51 @@ def test_written_examples_are_read_when_a_prompt_has_no_doctest():
     assert examples_pass(fixed, right.replace("isupper", "islower")) is False
 
 
+DOCTESTS = '''```python
+def d(x=None):
+    """
+    >>> x = 3
+    >>> d(x)
+    6
+    >>> d(
+    ...     4)
+    8
+    >>> d()
+    hello
+    <BLANKLINE>
+    >>> d("a")
+    Traceback (most recent call last):
+    TypeError: can only concatenate str (not "int") to str
+    >>> list(range(d(3)))
+    [0, 1, ..., 5]
+    >>> d(1.0) / 3
+    0.67
+    """
+```'''
+D_RIGHT = ("```python\ndef d(x=None):\n    if x is None:\n        print('hello')\n"
+           "        print()\n        return None\n    return x + x if not isinstance(x, str) else "
+           "x + 1\n```")
+
+
+def test_examples_run_as_doctest_reads_them():
+    """Found by a break-it pass, each once a right answer failed: a name set by one example
+    is there for the next, continuation lines, printed output, <BLANKLINE>, an expected
+    exception, doctest's ELLIPSIS, a value written rounded; and code that exits 0 before the
+    examples ran does not pass."""
+    assert examples_pass(DOCTESTS, D_RIGHT) is True
+    assert examples_pass(DOCTESTS, D_RIGHT.replace("x + x", "x * 3")) is False
+    assert examples_pass(DOCTESTS, D_RIGHT.replace("print('hello')", "print('bye')")) is False
+    assert examples_pass(DOCTESTS, D_RIGHT.replace("x + 1", "x")) is False  # no TypeError
+    exits = "```python\nraise SystemExit(0)\n```"
+    assert examples_pass(DOCTESTS, exits) is False
+    assert examples_pass(DOCTESTS, "```python\nimport os\nos._exit(0)\n```") is False
+    one_line = '''```python\ndef add(a, b):\n    """add(1, 2) => 3"""\n```'''
+    assert written_examples(one_line) == [("add(1, 2)", "3")]
+    assert written_examples("def f(n):\n    f(5) => [0, 1, ..., 4]\n") == []  # abbreviated
+    deep = "def f(x):\n    pass\nf(" + "-" * 5000 + "1) => 1\nf(" + "1+" * 5000 + "1) => 1\n"
+    assert written_examples(deep) == [] and refutation(deep, "x") is None
+
+
 def test_cli_rescore_runs_recorded_code_on_its_examples_again(tmp_path):
     """Records of a reader that did not know written examples get them; a cut answer (at
     the recorder's limit) and non-code lines are left alone; the rest of a line is kept."""
@@ -493,6 +539,36 @@ def test_cli_rescore_runs_recorded_code_on_its_examples_again(tmp_path):
                               "--records", str(tmp_path / "none.jsonl")], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no such records file" in missing.stderr
+
+
+def test_rescore_keeps_what_it_cannot_read_and_replaces_only_regular_files(tmp_path):
+    """Found by a break-it pass: rescore of /dev/null put a regular file in its place, a
+    torn line was dropped, the file's mode was lost, and an answer that is not text was a
+    traceback."""
+    path = write(tmp_path / "r.jsonl", [rec("a", "small", True, -0.1, prompt="1 + 1 = ?")])
+    with path.open("a") as f:
+        f.write('{"torn": \n')
+    path.chmod(0o640)
+    recorder.rescore_examples(path)
+    assert path.read_text().endswith('{"torn": \n') and path.stat().st_mode & 0o777 == 0o640
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(path)
+    for bad in (link, tmp_path):
+        with pytest.raises(ValueError, match="not a regular file"):
+            recorder.rescore_examples(bad)
+    assert link.is_symlink() and path.read_text().endswith('{"torn": \n')
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        recorder.rescore_examples(fifo)
+    number = tmp_path / "n.jsonl"
+    number.write_text(json.dumps({**rec("c", "small", True, -0.1, "code").to_json(),
+                                  "answer": 5}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "cascade", "rescore",
+                           "--records", str(number)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "n.jsonl:1: not a record (TypeError: answer is not text)" \
+        in proc.stderr
 
 
 def test_the_checks_signal_sends_refuted_answers_up():
@@ -538,8 +614,19 @@ def test_wrong_steps_reads_plain_arithmetic_and_skips_what_it_cannot_read():
     for unread in ("2 + 3 = 5 + 1 = 6", "(2 + 3) * 4 = 21", "x^2 + 3 = 12", "50 * 20% = 11",
                    "2 + 3 = 6x", "assert 2 + 2 == 5", "n + 1 = 3",
                    " + ".join(["1"] * 20) + " = 20",  # over 16 operations; its tail is no step
-                   "3 * " * 200 + "3 = 1"):  # a line over 500 characters
+                   "3 * " * 200 + "3 = 1",  # a line over 500 characters
+                   "1 + " * 1000 + "1 = 2", "(" * 5000 + "1 = 2"):  # deep: no RecursionError
         assert wrong_steps(unread) == [], unread
+    # right, in other ways of writing (a break-it pass found each flagged): times, rounding,
+    # remainders, thousands, ranges, roots, clocks, modulo, hex, asides, questions
+    for right in ("10:30 + 2 = 12:30", "9:45 - 15 = 9:30", "5 / 8 = 0.63", "1 / 8 = 0.13",
+                  "12.5 / 100 = 0.13", "5 / 2 = 3", "29 / 8 = 3 remainder 5", "7 ÷ 2 = 3 R 1",
+                  "1.000 + 500 = 1.500", "1 000 + 500 = 1 500", "1'000 + 500 = 1'500",
+                  "1,00,000 + 50,000 = 1,50,000", "1,5 * 2 = 3", "pages 10-12 = 3 pages",
+                  "9-5 = 8 hours", "√16 + 2 = 6", "11 + 3 = 2 o'clock", "22 + 5 = 3 am",
+                  "5 + 3 = 1 (mod 7)", "0x10 + 1 = 17", "In C, 7 / 2 = 3 (integer division)",
+                  "It is not true that 2 + 2 = 5.", "Is 2 + 3 = 6? No, 2 + 3 = 5."):
+        assert wrong_steps(right) == [], right
     assert refutation("Add them.", "2 + 2 = 5") == "wrong-arithmetic"
     assert refutation(STUB, RIGHT.replace("all(", "any(")) == "failed-examples"
     assert refutation(STUB, RIGHT) is None and refutation("Add them.", "2 + 2 = 4") is None

@@ -4,6 +4,7 @@ the sandbox, and the sandbox's limits (real subprocesses, real sockets; no mocks
 from __future__ import annotations
 
 import functools
+import platform
 import socket
 import subprocess
 import sys
@@ -198,8 +199,40 @@ def test_network_namespace_alone_blocks_localhost(listener):
 
 
 def test_sandbox_big_write_fails():
-    result = sandbox.run_python("with open('big', 'wb') as f:\n    f.write(b'x' * (64 << 20))\n")
+    """stdout is a file too: 64 MiB of it passes the 16 MiB file-size limit."""
+    result = sandbox.run_python("import sys\nsys.stdout.buffer.write(b'x' * (64 << 20))\n"
+                                "sys.stdout.flush()\n")
     assert not result.ok and "File too large" in result.stderr_tail
+
+
+def test_sandbox_code_reads_but_changes_nothing_outside(tmp_path):
+    """Code the router runs for a client (a prompt's stub, a model's answer), as root here:
+    it cannot create, append to, truncate, remove, rename or chmod a file, nor signal another
+    process; it can read. (seccomp, x86_64.)"""
+    if platform.machine() != "x86_64" or not sandbox.layers()["seccomp"]:
+        pytest.skip(f"the host-call filter is x86_64's: {platform.machine()}, {sandbox.layers()}")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("kept")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for code in (f"open({str(tmp_path / 'new')!r}, 'w')", f"open({str(victim)!r}, 'a')",
+                     f"open({str(victim)!r}, 'r+')", f"import os; os.truncate({str(victim)!r}, 0)",
+                     f"import os; os.unlink({str(victim)!r})",
+                     f"import os; os.rename({str(victim)!r}, {str(tmp_path / 'moved')!r})",
+                     f"import os; os.chmod({str(victim)!r}, 0o777)",
+                     f"import os; os.mkdir({str(tmp_path / 'd')!r})",
+                     f"import os, signal; os.kill({sleeper.pid}, signal.SIGKILL)"):
+            result = sandbox.run_python(code, timeout_s=10)
+            assert not result.ok and "Operation not permitted" in result.stderr_tail, code
+        assert sleeper.poll() is None
+        assert victim.read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == \
+            ["victim.txt"]
+        assert (victim.stat().st_mode & 0o777) != 0o777
+        read = sandbox.run_python(f"print(open({str(victim)!r}).read())", timeout_s=10)
+        assert read.ok and read.stdout_tail.strip() == "kept"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_sandbox_memory_is_bounded():

@@ -143,7 +143,7 @@ def test_optional_fields_are_nullable_not_unions():
     assert native["kvCacheGiB"] == {"description": "Memory for the paged KV cache, GiB.",
                                     "type": "number", "minimum": 0, "exclusiveMinimum": True,
                                     "maximum": 4096, "nullable": True}
-    assert native["quantization"]["enum"] == ["int8"] and native["quantization"]["nullable"]
+    assert native["quantization"]["enum"] == ["int8", "int4"] and native["quantization"]["nullable"]
     cpu = SPEC["properties"]["resources"]["properties"]["cpu"]
     assert cpu["x-kubernetes-int-or-string"] is True and "type" not in cpu
     assert SPEC["properties"]["cascade"]["nullable"] is True

@@ -34,8 +34,7 @@ import httpx
 from sluice.cascade.evalset import Item, arithmetic_problems, check, humaneval_problems
 from sluice.cascade.checks import examples_pass
 from sluice.cascade.policy import answer_scores
-from sluice.cascade.records import (DEFAULT_QUANTILE, Record, done_pairs, load_records,
-                                    record_lines)
+from sluice.cascade.records import DEFAULT_QUANTILE, Record, done_pairs, load_records
 
 logger = logging.getLogger(__name__)
 
@@ -289,30 +288,42 @@ def _parse(item: Item, tier: str, headers: httpx.Headers, answer: dict, seconds:
 
 def rescore_examples(path: str | Path) -> Counter[tuple[bool | None, bool | None]]:
     """Run every code answer of a records file on its prompt's examples again
-    (``checks.examples_pass``) and rewrite the file (atomically) with the new ``examples``:
-    after the examples reader learns new styles, the records need no new answers. An answer
-    cut at ``ANSWER_CHARS`` keeps its recorded value (its code is not all there).
+    (``checks.examples_pass``) and rewrite the file (atomically, its mode kept) with the new
+    ``examples``: after the examples reader learns new styles, the records need no new
+    answers. An answer cut at ``ANSWER_CHARS`` keeps its recorded value (its code is not all
+    there); a line that is not JSON (a torn write) is kept as it is.
 
     Returns:
         (recorded, now) → code answers: what changed and what did not.
 
     Raises:
-        ValueError: as ``records.load_records`` (a line that is not a record).
+        ValueError: as ``records.load_records`` (a line that is not a record), or a path
+            that is not a regular file (a device, a symlink, a folder: replacing it would
+            put a file in its place).
         FileNotFoundError: no such file.
     """
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise FileNotFoundError(f"{path}: no such records file")
+    if path.is_symlink() or not path.is_file():
+        raise ValueError(f"{path}: not a regular file (rescore rewrites it in place)")
     load_records(path)  # every line a record, or the error names it; nothing written yet
     lines, changes = [], Counter()
-    for _, data in record_lines(path):
-        if data.get("kind") == "code" and len(data.get("answer", "")) < ANSWER_CHARS:
-            before = data.get("examples")
-            data["examples"] = examples_pass(data.get("prompt", ""), data.get("answer", ""))
-            changes[(before, data["examples"])] += 1
-        lines.append(json.dumps(data, ensure_ascii=False) + "\n")
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                lines.append(line)
+                continue
+            if data.get("kind") == "code" and len(data.get("answer", "")) < ANSWER_CHARS:
+                before = data.get("examples")
+                data["examples"] = examples_pass(data.get("prompt", ""), data.get("answer", ""))
+                changes[(before, data["examples"])] += 1
+            lines.append(json.dumps(data, ensure_ascii=False) + "\n")
     temporary = path.with_name(path.name + ".rescore")
-    temporary.write_text("".join(lines))
+    temporary.write_text("".join(lines), encoding="utf-8")
+    os.chmod(temporary, path.stat().st_mode & 0o7777)
     os.replace(temporary, path)
     return changes
 

@@ -125,6 +125,9 @@ class Record:
         """Raises KeyError/TypeError/ValueError on a malformed line."""
         s = dict(data["scores"])
         q = float(s.pop("q", DEFAULT_QUANTILE))
+        for name in ("answer", "prompt"):
+            if not isinstance(data.get(name, ""), str):
+                raise TypeError(f"{name} is not text")
         return cls(str(data["id"]), str(data["kind"]), str(data["tier"]), bool(data["correct"]),
                    Scores(**s), q, tuple(float(x) for x in data["logprobs"]),
                    int(data["prompt_tokens"]), int(data["completion_tokens"]),
@@ -133,7 +136,7 @@ class Record:
                    None if data.get("max_tokens") is None else int(data["max_tokens"]))
 
 
-def record_lines(path: Path) -> Iterable[tuple[int, dict]]:
+def _lines(path: Path) -> Iterable[tuple[int, dict]]:
     """(line number, parsed object) of a JSONL file; a line that is not JSON (a torn write,
     after a crash) is skipped with a warning.
 
@@ -168,7 +171,7 @@ def load_records(path: str | Path) -> list[Record]:
             wrong), or a file that is not UTF-8 text.
     """
     records = []
-    for n, data in record_lines(Path(path)):
+    for n, data in _lines(Path(path)):
         try:
             records.append(Record.from_json(data))
         except (KeyError, TypeError, ValueError) as e:
@@ -180,5 +183,5 @@ def load_records(path: str | Path) -> list[Record]:
 def done_pairs(path: str | Path) -> set[tuple[str, str]]:
     """The (item id, tier) pairs already recorded in ``path`` (empty if it does not exist):
     what a resumed ``record`` skips."""
-    return {(str(d["id"]), str(d["tier"])) for _, d in record_lines(Path(path))
+    return {(str(d["id"]), str(d["tier"])) for _, d in _lines(Path(path))
             if "id" in d and "tier" in d}

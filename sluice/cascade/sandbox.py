@@ -20,7 +20,10 @@ per process (``layers()``) and, when they work, required by every run (fail clos
    the file-size limit only).
 5. **seccomp** (*probed*, x86_64 and aarch64). A filter fails ``fork``, ``vfork``,
    ``clone``, ``clone3``, ``socket`` and ``socketpair`` with EPERM (ENOSYS for clone3), so
-   a fork bomb cannot fork even as root, and no socket opens (AF_UNIX included).
+   a fork bomb cannot fork even as root, and no socket opens (AF_UNIX included). On x86_64
+   it also fails every call that reaches past the child (``_DENY``): a signal to another
+   process, ptrace, any change to a file (an open for writing, unlink, rename, chmod, ...),
+   io_uring, mounts, modules, clocks: so code running as root can read, not write or kill.
 6. **Socket guard.** A bootstrap (``-c``; it then runs ``main.py`` with ``runpy``, so the
    candidate keeps its own line numbers and ``__future__`` imports) replaces
    ``socket.socket``, ``_socket.socket``, ``socket.create_connection`` and
@@ -105,22 +108,48 @@ class _Prog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Filter))]
 
 
-# (audit arch, {syscall number: errno}) — fork/vfork/clone/clone3/socket/socketpair.
+# (audit arch, {syscall number: errno}, {open-like syscall: index of its flags argument}).
+# Denied everywhere: fork/vfork/clone/clone3/socket/socketpair. On x86_64 also what could
+# touch the host outside the child (the child may run as root: the router runs code that
+# its clients' prompts shape): signals to other processes (kill, tkill, tgkill,
+# rt_(tg)sigqueueinfo, pidfd_send_signal/getfd), ptrace and process_vm_*, every change to a
+# file (open/openat with a write, create, truncate or append flag, creat, openat2 (ENOSYS:
+# glibc falls back to openat), truncate, unlink, rename, mkdir, rmdir, link, symlink, mknod,
+# chmod, chown, utime*, *xattr), io_uring (file calls that seccomp would not see), mounts and
+# handles (open_by_handle_at, the fsopen family), modules, kexec, reboot, clocks, host and
+# domain names, swap, chroot/pivot_root, namespaces (setns), priorities and affinities of
+# other processes, keyrings, bpf, perf_event_open, userfaultfd, syslog, ioperm/iopl, quotas.
+# Reading stays possible (Python reads its standard library); what a run prints reaches
+# only its caller's pass/fail verdict.
+_HOST_X86_64 = (62, 200, 234, 129, 297, 424, 438, 101, 310, 311,  # signals, ptrace, vm
+                85, 76, 87, 263, 82, 264, 316, 83, 258, 84, 86, 265, 88, 266, 133, 259,
+                90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 280, 261,
+                188, 189, 190, 197, 198, 199,  # files: creat ... fremovexattr
+                425, 426, 427, 165, 166, 303, 304, 428, 429, 430, 431, 432, 433, 442,
+                175, 176, 313, 246, 320, 169, 164, 227, 159, 305, 170, 171, 167, 168, 161,
+                155, 163, 308, 141, 203, 144, 142, 251, 248, 249, 250, 321, 298, 323, 103,
+                172, 173, 179, 153)
 _DENY = {
-    "x86_64": (0xC000003E, {57: 1, 58: 1, 56: 1, 435: 38, 41: 1, 53: 1}),
-    "aarch64": (0xC00000B7, {220: 1, 435: 38, 198: 1, 199: 1}),
+    "x86_64": (0xC000003E, {57: 1, 58: 1, 56: 1, 435: 38, 41: 1, 53: 1, 437: 38,
+                            **dict.fromkeys(_HOST_X86_64, 1)}, {2: 1, 257: 2}),
+    "aarch64": (0xC00000B7, {220: 1, 435: 38, 198: 1, 199: 1}, {}),
 }
-_LD, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGE|K, RET|K
+_WRITE_FLAGS = 0o1 | 0o2 | 0o100 | 0o1000 | 0o2000  # O_WRONLY O_RDWR O_CREAT O_TRUNC O_APPEND
+_LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # LD|W|ABS, JMP|{JEQ,JGE,JSET}|K
 _ALLOW, _ERRNO, _KILL = 0x7FFF0000, 0x00050000, 0x80000000
+_ARGS_OFFSET = 16  # seccomp_data: nr, arch, instruction pointer, then 6 64-bit arguments
 
 
 def _seccomp_prog() -> _Prog | None:
     """The BPF program for this machine's architecture, or None where there is none."""
     if platform.machine() not in _DENY:
         return None
-    arch, deny = _DENY[platform.machine()]
+    arch, deny, opens = _DENY[platform.machine()]
     ops = [(_LD, 0, 0, 4), (_JEQ, 1, 0, arch), (_RET, 0, 0, _KILL),  # other ABIs: kill
            (_LD, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _KILL)]  # x32: kill
+    for nr, flags_arg in opens.items():  # open for reading only (its flags' low word)
+        ops += [(_JEQ, 0, 4, nr), (_LD, 0, 0, _ARGS_OFFSET + 8 * flags_arg),
+                (_JSET, 0, 1, _WRITE_FLAGS), (_RET, 0, 0, _ERRNO | 1), (_RET, 0, 0, _ALLOW)]
     for nr, errno in deny.items():
         ops += [(_JEQ, 0, 1, nr), (_RET, 0, 0, _ERRNO | errno)]
     ops.append((_RET, 0, 0, _ALLOW))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -46,6 +47,8 @@ from sluice.cascade.tiers import Resolved, manifest_cascades as resolve_manifest
 from sluice.router.metrics import RouterMetrics
 from sluice.router.proxy import CLIENT_CLOSED, openai_error
 from sluice.router.relay import ClientDisconnected, RelayResponse, unless_disconnected
+
+logger = logging.getLogger(__name__)
 
 HEADER = "x-sluice-cascade"
 RETRYABLE = (429, 500, 502, 503, 504)  # a tier that could not answer: the next one tries
@@ -261,9 +264,18 @@ async def _worst(policy: CascadePolicy, body: Mapping[str, Any], per_choice: lis
     scored = [policy.score(lps) for lps in per_choice] or [policy.score([])]
     if policy.signal == "checks":
         prompt = prompt_text(body)
-        scored = [replace(s, refuted=await asyncio.to_thread(refutation, prompt, text))
+        scored = [replace(s, refuted=await _refutation(prompt, text))
                   for s, text in zip(scored, texts)] or scored
     return min(scored, key=lambda s: s.signal(policy.signal))
+
+
+async def _refutation(prompt: str, answer: str) -> str | None:
+    """``checks.refutation`` in a thread; a check that fails to run proves nothing (logged)."""
+    try:
+        return await asyncio.to_thread(refutation, prompt, answer)
+    except Exception:  # noqa: BLE001 - the answer stands on its score
+        logger.exception("cascade check failed; the answer is judged on its score")
+        return None
 
 
 def _choice_text(choice: Mapping[str, Any], chat: bool) -> str:
