@@ -195,13 +195,18 @@ def test_perplexity_within_2_percent_of_fp32(fp32, int8, path, monkeypatch):
     """
     if path == "decode kernel":  # every matmul through the int8 kernel, whatever the row count
         monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", 1 << 30)
+    ppl, ppl_ref, top1 = _against_fp32(fp32, int8)
+    assert ppl / ppl_ref < 1.02, (ppl, ppl_ref)
+    assert top1 >= 0.9, top1
+
+
+def _against_fp32(fp32: LLMEngine, engine: LLMEngine) -> tuple[float, float, float]:
+    """(perplexity, fp32's perplexity, share of positions whose top-1 is fp32's) on TEXT."""
     ids = fp32.tokenizer.encode(TEXT)
-    ref, out = _prompt_logprobs(fp32, ids), _prompt_logprobs(int8, ids)
+    ref, out = _prompt_logprobs(fp32, ids), _prompt_logprobs(engine, ids)
     ppl_ref = math.exp(-sum(lp.logprob for lp in ref) / len(ref))
     ppl = math.exp(-sum(lp.logprob for lp in out) / len(out))
-    assert ppl / ppl_ref < 1.02, (ppl, ppl_ref)
-    top1 = sum(a.top[0][0] == b.top[0][0] for a, b in zip(ref, out)) / len(ref)
-    assert top1 >= 0.9, top1
+    return ppl, ppl_ref, sum(a.top[0][0] == b.top[0][0] for a, b in zip(ref, out)) / len(ref)
 
 
 # ------------------------------------------------------------------ 4-bit (Q4_1 blocks)
@@ -296,12 +301,8 @@ def test_int4_perplexity_within_1_percent_of_fp32(fp32, int4, path, monkeypatch)
     22.46), top-1 = fp32's at 94 % of positions, both paths; the issue's bound is 1 %."""
     if path == "decode kernel":  # every matmul through the 4-bit kernel, whatever the rows
         monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", 1 << 30)
-    ids = fp32.tokenizer.encode(TEXT)
-    ref, out = _prompt_logprobs(fp32, ids), _prompt_logprobs(int4, ids)
-    ppl_ref = math.exp(-sum(lp.logprob for lp in ref) / len(ref))
-    ppl = math.exp(-sum(lp.logprob for lp in out) / len(out))
+    ppl, ppl_ref, top1 = _against_fp32(fp32, int4)
     assert ppl / ppl_ref < 1.01, (ppl, ppl_ref)
-    top1 = sum(a.top[0][0] == b.top[0][0] for a, b in zip(ref, out)) / len(ref)
     assert top1 >= 0.9, top1
 
 
