@@ -133,19 +133,24 @@ def test_int8_linear_in_half_precision_does_not_overflow(dtype):
         assert (y.float() - ref).norm() / ref.norm() < 0.02
 
 
+def _linear_pairs(ref: nn.Module, model: nn.Module):
+    """(name, the fp32 model's linear, the quantized model's module there) per layer linear."""
+    for ref_layer, layer in zip(ref.layers, model.layers):
+        for name, linear in ref_layer.named_modules():
+            if isinstance(linear, nn.Linear):
+                yield name, linear, layer.get_submodule(name)
+
+
 def test_weights_are_int8_and_about_4x_smaller(fp32, int8):
     ref, model = fp32.runner.model, int8.runner.model
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     fp32_bytes = int8_bytes = 0
-    for ref_layer, layer in zip(ref.layers, model.layers):
-        for name, linear in ref_layer.named_modules():
-            if isinstance(linear, nn.Linear):
-                qlinear = layer.get_submodule(name)
-                assert isinstance(qlinear, quant.Int8Linear)
-                assert qlinear.weight.dtype == torch.int8 and qlinear.rows().shape == linear.weight.shape
-                assert qlinear.scales.shape == (linear.out_features,)
-                fp32_bytes += linear.weight.numel() * linear.weight.element_size()
-                int8_bytes += sum(t.numel() * t.element_size() for t in qlinear.buffers())
+    for _, linear, qlinear in _linear_pairs(ref, model):
+        assert isinstance(qlinear, quant.Int8Linear)
+        assert qlinear.weight.dtype == torch.int8 and qlinear.rows().shape == linear.weight.shape
+        assert qlinear.scales.shape == (linear.out_features,)
+        fp32_bytes += linear.weight.numel() * linear.weight.element_size()
+        int8_bytes += sum(t.numel() * t.element_size() for t in qlinear.buffers())
     assert 3.9 < fp32_bytes / int8_bytes <= 4.0  # int8 + 6 bytes of scales per 576-1536 weights
     # tied embedding: one int8 table serves the lookup and the lm_head
     assert isinstance(model.lm_head, quant.Int8Linear)
@@ -282,14 +287,11 @@ def test_int4_serves_the_gguf_q4_1_weights_losslessly(fp32, int4):
     A decode step then reads 0.625 bytes a layer weight, int8's 1.008."""
     ref, model = fp32.runner.model, int4.runner.model
     fp32_bytes = int4_bytes = 0
-    for ref_layer, layer in zip(ref.layers, model.layers):
-        for name, linear in ref_layer.named_modules():
-            if isinstance(linear, nn.Linear):
-                qlinear = layer.get_submodule(name)
-                assert isinstance(qlinear, quant.Int4Linear)
-                assert torch.equal(qlinear.dequantized(), linear.weight.detach().float()), name
-                fp32_bytes += linear.weight.numel() * linear.weight.element_size()
-                int4_bytes += sum(t.numel() * t.element_size() for t in qlinear.buffers())
+    for name, linear, qlinear in _linear_pairs(ref, model):
+        assert isinstance(qlinear, quant.Int4Linear)
+        assert torch.equal(qlinear.dequantized(), linear.weight.detach().float()), name
+        fp32_bytes += linear.weight.numel() * linear.weight.element_size()
+        int4_bytes += sum(t.numel() * t.element_size() for t in qlinear.buffers())
     assert fp32_bytes / int4_bytes == 4 / 0.625
     assert isinstance(model.lm_head, quant.Int8Linear)
     assert isinstance(model.embed_tokens, quant.Int8Embedding)
