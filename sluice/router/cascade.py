@@ -35,6 +35,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,6 +52,8 @@ from sluice.router.relay import ClientDisconnected, RelayResponse, unless_discon
 logger = logging.getLogger(__name__)
 
 HEADER = "x-sluice-cascade"
+CHECK_THREADS = 4  # answers checked at once (each a sandboxed process at most)
+_CHECKS = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="cascade-check")
 RETRYABLE = (429, 500, 502, 503, 504)  # a tier that could not answer: the next one tries
 
 Send = Callable[[dict[str, Any], bool], Awaitable[Response]]
@@ -270,9 +273,12 @@ async def _worst(policy: CascadePolicy, body: Mapping[str, Any], per_choice: lis
 
 
 async def _refutation(prompt: str, answer: str) -> str | None:
-    """``checks.refutation`` in a thread; a check that fails to run proves nothing (logged)."""
+    """``checks.refutation`` on the checks' own threads (``CHECK_THREADS``: a flood of
+    answers to check, each up to its 10 s sandbox timeout, queues there, not in the event
+    loop's default executor); a check that fails to run proves nothing (logged)."""
     try:
-        return await asyncio.to_thread(refutation, prompt, answer)
+        return await asyncio.get_running_loop().run_in_executor(_CHECKS, refutation, prompt,
+                                                                answer)
     except Exception:  # noqa: BLE001 - the answer stands on its score
         logger.exception("cascade check failed; the answer is judged on its score")
         return None
