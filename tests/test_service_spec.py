@@ -277,6 +277,13 @@ def test_draft_model_speculation_maps_to_worker_flags():
     assert argv[i:] == ["--speculative-method", "draft", "--speculative-num-tokens", "3",
                         "--speculative-model", "Qwen2.5-Coder-0.5B-Instruct",
                         "--speculative-quantization", "int8"]
+    four_bit = parse_manifest(with_spec(engine={"native": {
+        "quantization": "int4", "speculative": {**speculative, "quantization": "int4"}}}))
+    argv = worker_arguments(four_bit, "Qwen2.5-Coder-1.5B-Instruct")
+    assert argv[argv.index("--quantization") + 1] == "int4"
+    assert argv[argv.index("--speculative-quantization") + 1] == "int4"
+    assert "spec.engine.native.quantization" in error_of(
+        with_spec(engine={"native": {"quantization": "int3"}}))
     assert "speculative.model is needed by, and only by, method: draft" in error_of(
         with_spec(engine={"native": {"speculative": {"method": "draft"}}}))
     assert "speculative.model is needed by, and only by, method: draft" in error_of(

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "int8_linear.cpp", "int4_linear.cpp",
                              "decode_ops.cpp"))
+HEADERS = (Path(__file__).with_name("csrc") / "row_blocks.h",)  # in the build key too
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # A build holds torch's lock file (``lock`` in its folder) for ~20 s here; one older than
 # this is a build that was killed, and would make every later worker wait for it forever.
@@ -81,9 +82,9 @@ def _load() -> bool:
 
 
 def _build_directory(root: Path) -> Path:
-    """The kernels' build folder under ``root``: keyed by the sources, the flags, this
-    Python environment (its headers and libraries) and torch's version."""
-    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES),
+    """The kernels' build folder under ``root``: keyed by the sources and headers, the
+    flags, this Python environment (its headers and libraries) and torch's version."""
+    key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS),
                                       " ".join(_CFLAGS).encode(), sys.prefix.encode(),
                                       torch.__version__.encode()]))
     return root / f"sluice_kernels_{key.hexdigest()[:12]}"

@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "row_blocks.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -98,14 +100,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
       const int64_t n0 = t * kTileRows;
       const uint8_t* wt = wp + t * tile_bytes;
 #ifdef __AVX512F__
-      int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) tile<4>(xp, wt, yp, K, N, n0, m0);
-      switch (M - m0) {
-        case 3: tile<3>(xp, wt, yp, K, N, n0, m0); break;
-        case 2: tile<2>(xp, wt, yp, K, N, n0, m0); break;
-        case 1: tile<1>(xp, wt, yp, K, N, n0, m0); break;
-        default: break;
-      }
+      for_row_blocks(M, [&](auto mb, int64_t m0) {
+        tile<decltype(mb)::value>(xp, wt, yp, K, N, n0, m0);
+      });
 #else
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < kTileRows; ++r) {

@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "row_blocks.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -83,14 +85,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
       const int64_t n0 = t * kTileRows;
       const int8_t* qt = qp + t * kTileRows * K;
 #ifdef __AVX512F__
-      int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) tile<4>(xp, qt, sp, yp, K, N, n0, m0);
-      switch (M - m0) {
-        case 3: tile<3>(xp, qt, sp, yp, K, N, n0, m0); break;
-        case 2: tile<2>(xp, qt, sp, yp, K, N, n0, m0); break;
-        case 1: tile<1>(xp, qt, sp, yp, K, N, n0, m0); break;
-        default: break;
-      }
+      for_row_blocks(M, [&](auto mb, int64_t m0) {
+        tile<decltype(mb)::value>(xp, qt, sp, yp, K, N, n0, m0);
+      });
 #else
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < kTileRows; ++r) {
