@@ -254,12 +254,21 @@ def test_int4_quantization_recovers_q4_1_blocks_and_bounds_other_weights():
         quant.pack_int4(*quant.quantize_weight_int4(torch.randn(6, 64)))
 
 
+def q8_1(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded as llama.cpp's Q8_1 stores it: per block of 32, int8 values times
+    max|x| / 127."""
+    blocks = x.reshape(x.shape[0], x.shape[1] // 32, 32)
+    d = blocks.abs().amax(dim=2, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+
+
 @pytest.mark.parametrize("rows, k, n", [(1, 576, 960), (3, 576, 8), (5, 64, 36), (31, 1536, 64),
                                          (0, 64, 8)])
-def test_native_int4_kernel_equals_the_dequantized_matmul(rows, k, n, monkeypatch):
-    """csrc/int4_linear.cpp: y = x @ (d q + m).T in fp32 up to summation order, for x rows
-    off its 4-row blocks and none; Int4Linear without the kernels (a dequantized fp32
-    matmul) gives the same."""
+def test_native_int4_kernel_equals_the_matmul_of_q8_1_rows(rows, k, n, monkeypatch):
+    """csrc/int4_linear.cpp rounds x to Q8_1 blocks (8 bits each) and is then exact in
+    integers: y = q8_1(x) @ (d q + m).T in fp32 up to summation order, for x rows off its
+    4-row blocks and none. Int4Linear without the kernels is the dequantized fp32 matmul of
+    x itself; the two differ by x's rounding alone."""
     if not kernels.available(torch.device("cpu")):
         pytest.skip("the native kernels did not build here (see the warning logged)")
     torch.manual_seed(0)
@@ -268,17 +277,21 @@ def test_native_int4_kernel_equals_the_dequantized_matmul(rows, k, n, monkeypatc
     qlinear = quant.Int4Linear.from_linear(linear)
     assert torch.equal(qlinear.dequantized(), linear.weight.data)
     x = torch.randn(rows, k)
-    reference = x.double() @ linear.weight.double().T + linear.bias.double()
+    x[:, :32] = 0.0  # a block of zeros: scale 0
+    weight, bias = linear.weight.double(), linear.bias.double()
     y = qlinear(x)
     assert y.shape == (rows, n) and y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), q8_1(x).double() @ weight.T + bias, rtol=1e-5, atol=1e-5)
     assert torch.equal(qlinear(x.reshape(rows, 1, k)), y.reshape(rows, 1, n))
     with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
         torch.ops.sluice.int4_linear(x.double(), qlinear.weight, n)
     with pytest.raises(RuntimeError, match="packed in tiles"):
         torch.ops.sluice.int4_linear(x, qlinear.weight, n + 4)
     monkeypatch.setattr(kernels, "available_for", lambda x: False)
-    torch.testing.assert_close(qlinear(x).double(), reference, rtol=1e-5, atol=1e-5)
+    exact = x.double() @ weight.T + bias
+    torch.testing.assert_close(qlinear(x).double(), exact, rtol=1e-5, atol=1e-5)
+    if rows:  # 8-bit rows: an error of at most half a step a value, ~0.3 % of |y| here
+        assert 0 < (y.double() - exact).abs().max() < 0.01 * exact.abs().max()
 
 
 def test_int4_serves_the_gguf_q4_1_weights_losslessly(fp32, int4):
@@ -300,7 +313,8 @@ def test_int4_serves_the_gguf_q4_1_weights_losslessly(fp32, int4):
 @pytest.mark.parametrize("path", ["prefill", "decode kernel"])
 def test_int4_perplexity_within_1_percent_of_fp32(fp32, int4, path, monkeypatch):
     """Lossless layers leave the int8 lm_head's error: measured -0.5 % (22.35 against
-    22.46), top-1 = fp32's at 94 % of positions, both paths; the issue's bound is 1 %."""
+    22.46), top-1 = fp32's at 94 % of positions; through the decode kernel, which also
+    rounds x to 8 bits a block, 22.24 and 97 %. The issue's bound is 1 %."""
     if path == "decode kernel":  # every matmul through the 4-bit kernel, whatever the rows
         monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", 1 << 30)
     ppl, ppl_ref, top1 = _against_fp32(fp32, int4)
@@ -308,11 +322,17 @@ def test_int4_perplexity_within_1_percent_of_fp32(fp32, int4, path, monkeypatch)
     assert top1 >= 0.9, top1
 
 
-def test_int4_greedy_output_mostly_equals_fp32(fp32, int4):
-    """Measured: tokens equal to fp32's [16, 13, 16, 16, 16, 16, 15, 16] (the int8 lm_head
-    parts them at near-ties)."""
+def test_int4_greedy_output_parts_from_fp32_only_at_near_ties(fp32, int4):
+    """The 4-bit kernel rounds x to 8 bits a block (Q8_1) and the lm_head is int8, so greedy
+    output may part from fp32's where fp32 itself is near a tie. Measured: tokens equal to
+    fp32's [16, 16, 16, 16, 16, 3, 16, 4]; at the partings fp32 gives int4's token 0.04 and
+    0.15 nats less than its own."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     batch = [fp32.tokenizer.encode(p) for p in PROMPTS]
-    agree = [_agreement(ref, out) for ref, out in zip(fp32.generate(batch, params),
-                                                     int4.generate(batch, params))]
-    assert sum(n == 16 for n in agree) >= 5 and sum(agree) >= 0.9 * 16 * len(PROMPTS), agree
+    runs = list(zip(batch, fp32.generate(batch, params), int4.generate(batch, params)))
+    agree = [_agreement(ref, out) for _, ref, out in runs]
+    assert sum(n == 16 for n in agree) >= 5, agree
+    for (prompt, ref, out), n in zip(runs, agree):
+        if n < 16:  # fp32's logprobs of int4's tokens: at n, its own choice is barely ahead
+            lp = _prompt_logprobs(fp32, prompt + out[:n + 1])[len(prompt) + n - 1]
+            assert lp.top[0][0] == ref[n] and lp.top[0][1] - lp.logprob < 0.25, (n, lp)

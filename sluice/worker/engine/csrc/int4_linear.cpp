@@ -2,8 +2,13 @@
 // each row of W [N, K] in blocks of 32 weights, each block a scale d and a minimum m
 // (float16) and 32 unsigned 4-bit values q:
 //   W[n, 32 b + j] = d[n, b] * q[n, 32 b + j] + m[n, b]          q in [0, 15]
-//   y[m, n] = sum_b (d[n, b] * sum_j q x + m[n, b] * sum_j x)    over the block's columns
-// Dequantization is one fp32 fma (q, d and m are exact in fp32); accumulation is in fp32.
+//
+// The rows of x are quantized too, once per call, as llama.cpp's Q8_1 (its vec_dot_q4_1_q8_1
+// is the scheme): each block of 32 values to int8 xq with a scale dx = max|x| / 127 and the
+// block's sum s = dx * sum_j xq. Then, per block, the integer dot product is exact and
+//   y[m, n] = sum_b (d[n, b] * dx[m, b] * sum_j q xq + m[n, b] * s[m, b])
+// which is x' @ W.T for x' = dx * xq, x rounded to 8 bits a block (|x - x'| <= dx / 2),
+// accumulated in fp32.
 //
 // Layout (``quant.pack_int4``): like int8_linear's tiles of 4 weight rows, one contiguous run
 // per tile, read front to back: [N / 4][K / 32][80] bytes, each 32-column block of the 4 rows
@@ -12,7 +17,10 @@
 // by row. 0.625 bytes a weight, int8's 1 plus its scale: batch-1 decode streams every weight
 // once per token, so the step reads ~40 % fewer bytes.
 //
-// Without AVX-512 a plain loop over the same layout stands in.
+// With AVX-512 VNNI a block of the 4 rows is one 64-byte load: its low and high nibbles
+// against the x block's two halves (each broadcast to the 4 rows) are two vpdpbusd (u8 x s8
+// into int32 lanes, lanes 4 r .. 4 r + 3 row r's), then one fp32 fma by d * dx and one by
+// m * s. Without it a plain loop over the same layout stands in, with the same arithmetic.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,10 +29,14 @@
 
 #include "row_blocks.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define SLUICE_INT4_VNNI 1
 #include <immintrin.h>
 #endif
 
@@ -36,6 +48,32 @@ constexpr int64_t kNibbleBytes = kTileRows * 16;     // 4 rows x 32 nibbles
 constexpr int64_t kBlockBytes = kNibbleBytes + kTileRows * 4;  // + 4 (d, m) float16 pairs
 constexpr int64_t kPrefetch = 640;                   // bytes ahead in the tile's stream
 
+// x [M, K] as Q8_1 blocks: q [M, K] int8, d and s [M, K / 32].
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
+  Q8Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * K / kBlock),
+             std::vector<float>(M * K / kBlock)};
+  for (int64_t b = 0; b < M * K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const int8_t v = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      out.q[b * kBlock + j] = v;
+      sum += v;
+    }
+    out.d[b] = d;
+    out.s[b] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
 inline void scale_and_min(const uint8_t* block, int64_t r, float* d, float* m) {
   uint16_t h[2];
   std::memcpy(h, block + kNibbleBytes + 4 * r, 4);
@@ -43,39 +81,47 @@ inline void scale_and_min(const uint8_t* block, int64_t r, float* d, float* m) {
   *m = static_cast<float>(c10::Half(h[1], c10::Half::from_bits()));
 }
 
-#ifdef __AVX512F__
+#ifdef SLUICE_INT4_VNNI
 // y[m0 .. m0 + MB)[n0 .. n0 + 4) from the tile at w ((K / 32) * 80 bytes).
 template <int MB>
-inline void tile(const float* x, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0,
+inline void tile(const Q8Rows& x, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0,
                  int64_t m0) {
-  __m512 acc[MB][kTileRows];
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kTileRows; ++r) acc[i][r] = _mm512_setzero_ps();
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t k = 0; k < K; k += kBlock) {
-    const uint8_t* block = w + (k / kBlock) * kBlockBytes;
+  const int64_t blocks = K / kBlock;
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // (d0 m0 d1 m1 d2 m2 d3 m3) -> each row's d (or m) in its 4 lanes
+  const __m512i d_lanes = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+  const __m512i m_lanes = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = w + b * kBlockBytes;
     _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetch), _MM_HINT_T0);
-    __m512 xlo[MB], xhi[MB];
+    const __m512i nibbles = _mm512_loadu_si512(block);
+    const __m512i qlo = _mm512_and_si512(nibbles, low);
+    const __m512i qhi = _mm512_and_si512(_mm512_srli_epi16(nibbles, 4), low);
+    const __m512 dm = _mm512_castps256_ps512(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kNibbleBytes))));
+    const __m512 dv = _mm512_permutexvar_ps(d_lanes, dm);
+    const __m512 mv = _mm512_permutexvar_ps(m_lanes, dm);
     for (int i = 0; i < MB; ++i) {
-      xlo[i] = _mm512_loadu_ps(x + (m0 + i) * K + k);
-      xhi[i] = _mm512_loadu_ps(x + (m0 + i) * K + k + 16);
-    }
-    for (int r = 0; r < kTileRows; ++r) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * r));
-      float d, m;
-      scale_and_min(block, r, &d, &m);
-      const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
-      const __m512 wlo = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low))), dv, mv);
-      const __m512 whi = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low))),
-          dv, mv);
-      for (int i = 0; i < MB; ++i)
-        acc[i][r] = _mm512_fmadd_ps(whi, xhi[i], _mm512_fmadd_ps(wlo, xlo[i], acc[i][r]));
+      const int64_t xb = (m0 + i) * blocks + b;
+      const int8_t* xq = x.q.data() + xb * kBlock;
+      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+      const __m512i xhi =
+          _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qlo, xlo),
+                                              qhi, xhi);
+      // each row's m * s once over its 4 lanes: a quarter in each (exact scaling by 2^-2)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(x.d[xb])),
+                               _mm512_fmadd_ps(mv, _mm512_set1_ps(0.25f * x.s[xb]), acc[i]));
     }
   }
-  for (int i = 0; i < MB; ++i)
-    for (int r = 0; r < kTileRows; ++r) y[(m0 + i) * N + n0 + r] = _mm512_reduce_add_ps(acc[i][r]);
+  for (int i = 0; i < MB; ++i) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[i]);
+    for (int r = 0; r < kTileRows; ++r)
+      y[(m0 + i) * N + n0 + r] = (lanes[4 * r] + lanes[4 * r + 1]) + (lanes[4 * r + 2] + lanes[4 * r + 3]);
+  }
 }
 #endif
 
@@ -91,32 +137,33 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
               "columns)");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
+  const Q8Rows xq = quantize_rows(x.data_ptr<float>(), M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t tile_bytes = (K / kBlock) * kBlockBytes;
+  const int64_t blocks = K / kBlock, tile_bytes = blocks * kBlockBytes;
   at::parallel_for(0, N / kTileRows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows;
       const uint8_t* wt = wp + t * tile_bytes;
-#ifdef __AVX512F__
+#ifdef SLUICE_INT4_VNNI
       for_row_blocks(M, [&](auto mb, int64_t m0) {
-        tile<decltype(mb)::value>(xp, wt, yp, K, N, n0, m0);
+        tile<decltype(mb)::value>(xq, wt, yp, K, N, n0, m0);
       });
 #else
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < kTileRows; ++r) {
-          const float* xr = xp + m * K;
           float acc = 0.f;
-          for (int64_t k = 0; k < K; k += kBlock) {
-            const uint8_t* block = wt + (k / kBlock) * kBlockBytes;
+          for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* block = wt + b * kBlockBytes;
+            const int8_t* xb = xq.q.data() + (m * blocks + b) * kBlock;
+            int32_t dot = 0;
+            for (int64_t j = 0; j < 16; ++j) {
+              const uint8_t v = block[16 * r + j];
+              dot += (v & 0x0F) * xb[j] + (v >> 4) * xb[j + 16];
+            }
             float d, mn;
             scale_and_min(block, r, &d, &mn);
-            for (int64_t j = 0; j < 16; ++j) {
-              const uint8_t b = block[16 * r + j];
-              acc += (d * static_cast<float>(b & 0x0F) + mn) * xr[k + j] +
-                     (d * static_cast<float>(b >> 4) + mn) * xr[k + j + 16];
-            }
+            acc += d * xq.d[m * blocks + b] * static_cast<float>(dot) + mn * xq.s[m * blocks + b];
           }
           yp[m * N + n0 + r] = acc;
         }
