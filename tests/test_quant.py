@@ -336,3 +336,48 @@ def test_int4_greedy_output_parts_from_fp32_only_at_near_ties(fp32, int4):
         if n < 16:  # fp32's logprobs of int4's tokens: at n, its own choice is barely ahead
             lp = _prompt_logprobs(fp32, prompt + out[:n + 1])[len(prompt) + n - 1]
             assert lp.top[0][0] == ref[n] and lp.top[0][1] - lp.logprob < 0.25, (n, lp)
+
+
+# ------------------------------------------------------------------ the fused decode step
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_fused_decode_step_equals_the_layer_by_layer_step(model_path, quantization):
+    """csrc/decode_step.cpp runs the layers' own ops in their order: the same logits to the
+    bit as the Python layers, for 1 and 3 sequences and with q/k/v biases (Qwen2's); steps
+    with a prefill, and fp32 models, keep the Python layers."""
+    if not kernels.available(torch.device("cpu")):
+        pytest.skip("the native kernels did not build here (see the warning logged)")
+    engine = LLMEngine(EngineConfig(model=str(model_path), quantization=quantization,
+                                    kv_cache_gib=0.05))
+    runner, model = engine.runner, engine.runner.model
+    fused = model.decode_step_weights
+    assert fused is not None and len(fused) == 14 * len(model.layers) + 1
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (20, 35, 7)]
+    tables = [[0, 1], [2, 3, 4], [5]]
+    runner.execute([(p, 0, t) for p, t in zip(prompts, tables)], [19, 54, 61])
+
+    def decode(seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = [([prompts[i][-1]], len(prompts[i]), tables[i]) for i in seqs]
+        with_op = runner.execute(batch, list(range(len(seqs))))
+        model.decode_step_weights = None
+        try:
+            without = runner.execute(batch, list(range(len(seqs))))  # the same K/V slots again
+        finally:
+            model.decode_step_weights = fused
+        return with_op, without
+
+    for seqs in ([0], [0, 1, 2]):
+        with_op, without = decode(seqs)
+        assert torch.equal(with_op, without), (seqs, (with_op - without).abs().max())
+    model.decode_step_weights = [*fused[:-1], torch.zeros_like(fused[-1])]
+    assert not decode([0])[0].any()  # the op ran: its final norm's weight, zeroed, was used
+    model.decode_step_weights = fused
+    qkv = model.layers[0].self_attn.qkv_proj
+    qkv.bias = torch.randn(qkv.out_features, generator=g)
+    assert model.fuse_decode_step()
+    fused = model.decode_step_weights
+    with_op, without = decode([1])
+    assert torch.equal(with_op, without)
+    assert not LLMEngine(EngineConfig(model=str(model_path), kv_cache_gib=0.05)) \
+        .runner.model.fuse_decode_step()

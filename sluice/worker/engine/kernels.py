@@ -3,8 +3,11 @@ one library that registers ``torch.ops.sluice.*``:
 
 - ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)``: decode attention
   over the paged KV cache, read in place (``attention.decode_attention``);
-- ``int8_linear(x, q, scales)``: the weight-only int8 matmul of decode steps
-  (``quant.Int8Linear``).
+- ``int8_linear(x, q, scales)`` and ``int4_linear(x, w, N)``: the weight-only int8 and
+  4-bit matmuls of decode steps (``quant.Int8Linear``, ``quant.Int4Linear``);
+- ``add_rms_norm_``, ``silu_and_mul``, ``rotary_``: the small ops between a layer's matmuls;
+- ``decode_layers(...)``: a whole decode step's layers in one call, for models whose
+  linears all run those kernels (``LlamaForCausalLM.fuse_decode_step``).
 
 The build (~10-20 s) happens on first use and is cached in the torch extensions folder
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), in a folder keyed by the
@@ -32,8 +35,9 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "int8_linear.cpp", "int4_linear.cpp",
-                             "decode_ops.cpp"))
-HEADERS = (Path(__file__).with_name("csrc") / "row_blocks.h",)  # in the build key too
+                             "decode_ops.cpp", "decode_step.cpp"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / name  # in the build key too
+                for name in ("ops.h", "row_blocks.h"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # A build holds torch's lock file (``lock`` in its folder) for ~20 s here; one older than
 # this is a build that was killed, and would make every later worker wait for it forever.

@@ -58,6 +58,8 @@ class ModelRunner:
             from sluice.worker.engine.quant import quantize_int4, quantize_int8
 
             {"int8": quantize_int8, "int4": quantize_int4}[quantization](model)
+            if model.fuse_decode_step():
+                logger.info("decode steps run the layers in one native call (decode_layers)")
         self.model = model.eval()
 
         # per layer: a prefill token's linear layers cost 2 FLOPs per weight, its attention

@@ -327,6 +327,17 @@ class Int8Embedding(nn.Module):
         return rows.to(self.dtype) * self.scales[ids].unsqueeze(-1).to(self.dtype)
 
 
+def kernel_operands(module: nn.Module) -> tuple | None:
+    """(weight, scales or None, bias or None) of a linear the native weight kernels run
+    (``Int4Linear``, packed ``Int8Linear``), as ``csrc/decode_step.cpp`` takes them; None
+    for any other module."""
+    if isinstance(module, Int4Linear):
+        return module.weight, None, module.bias
+    if isinstance(module, Int8Linear) and module.packed:
+        return module.weight, module.scales, module.bias
+    return None
+
+
 @torch.no_grad()
 def quantize_int8(model: nn.Module, lm_head: bool = True, layers: bool = True) -> nn.Module:
     """Swap the model's linears for ``Int8Linear`` in place (call after loading weights).

@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 
 namespace {
@@ -25,6 +27,10 @@ void check_rows(const at::Tensor& t, const char* name) {
                   t.stride(1) == 1,
               name, " must be a 2-D float32 CPU tensor with contiguous rows");
 }
+
+}  // namespace
+
+namespace sluice {
 
 void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm_: x");
@@ -95,7 +101,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t
   });
 }
 
-}  // namespace
+}  // namespace sluice
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
@@ -104,7 +110,7 @@ TORCH_LIBRARY_FRAGMENT(sluice, m) {
 }
 
 TORCH_LIBRARY_IMPL(sluice, CPU, m) {
-  m.impl("add_rms_norm_", &add_rms_norm_);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_", &rotary_);
+  m.impl("add_rms_norm_", &sluice::add_rms_norm_);
+  m.impl("silu_and_mul", &sluice::silu_and_mul);
+  m.impl("rotary_", &sluice::rotary_);
 }

@@ -27,6 +27,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "row_blocks.h"
 
 #include <algorithm>
@@ -125,6 +126,10 @@ inline void tile(const Q8Rows& x, const uint8_t* w, float* y, int64_t K, int64_t
 }
 #endif
 
+}  // namespace
+
+namespace sluice {
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat &&
                   x.is_contiguous(),
@@ -173,10 +178,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return y;
 }
 
-}  // namespace
+}  // namespace sluice
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
   m.def("int4_linear(Tensor x, Tensor w, int N) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(sluice, CPU, m) { m.impl("int4_linear", &int4_linear); }
+TORCH_LIBRARY_IMPL(sluice, CPU, m) { m.impl("int4_linear", &sluice::int4_linear); }

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
 #include "row_blocks.h"
 
 #include <algorithm>
@@ -61,6 +62,10 @@ inline void tile(const float* x, const int8_t* q, const float* scale, float* y, 
       y[(m0 + i) * N + n0 + r] = _mm512_reduce_add_ps(acc[i][r]) * scale[n0 + r];
 }
 #endif
+
+}  // namespace
+
+namespace sluice {
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == at::kFloat &&
@@ -106,10 +111,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return y;
 }
 
-}  // namespace
+}  // namespace sluice
 
 TORCH_LIBRARY_FRAGMENT(sluice, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scales) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(sluice, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(sluice, CPU, m) { m.impl("int8_linear", &sluice::int8_linear); }

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -91,6 +93,10 @@ void paged_decode_kernel(const T* q, const T* k, const T* v, const int64_t* tabl
   });
 }
 
+}  // namespace
+
+namespace sluice {
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                         double scale) {
@@ -125,11 +131,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
-}  // namespace
+}  // namespace sluice
 
 TORCH_LIBRARY(sluice, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(sluice, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(sluice, CPU, m) { m.impl("paged_decode", &sluice::paged_decode); }

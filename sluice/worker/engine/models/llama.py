@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from sluice.worker.engine import kernels
+from sluice.worker.engine import kernels, quant
 from sluice.worker.engine.attention import AttentionMetadata, paged_attention
 
 logger = logging.getLogger(__name__)
@@ -234,15 +234,43 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.decode_step_weights: list[torch.Tensor | None] | None = None  # fuse_decode_step
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] → final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
+        if (self.decode_step_weights is not None and not meta.prefills
+                and x.shape[0] < quant.KERNEL_MAX_ROWS and _native(x)):
+            return torch.ops.sluice.decode_layers(
+                x, *rope, self.decode_step_weights, [k for k, _ in kv_caches],
+                [v for _, v in kv_caches], meta.slot_mapping, meta.decode_block_tables,
+                meta.decode_context_lens, self.config.num_attention_heads, self.num_kv_heads,
+                self.head_dim, self.norm.eps, self.layers[0].self_attn.scale)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, k_cache, v_cache, meta)
         return self.norm(x, residual)[0]
+
+    def fuse_decode_step(self) -> bool:
+        """Run decode steps of fewer than ``quant.KERNEL_MAX_ROWS`` tokens through one C++
+        call (``csrc/decode_step.cpp``: the layers' same ops, so the same values, without the
+        Python between them), where every layer linear runs a weight kernel (the 4-bit or
+        packed int8 ones: ``quant.kernel_operands``) and the kernels are built. Returns
+        whether it will."""
+        weights = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [quant.kernel_operands(m) for m in
+                       (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(operands is None for operands in linears):
+                return False
+            weights += [layer.input_layernorm.weight, *linears[0], *linears[1],
+                        layer.post_attention_layernorm.weight, *linears[2], *linears[3]]
+        if not kernels.available_for(self.norm.weight):
+            return False
+        self.decode_step_weights = [*weights, self.norm.weight]
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] in fp32."""
