@@ -310,13 +310,10 @@ def test_int4_serves_the_gguf_q4_1_weights_losslessly(fp32, int4):
     assert isinstance(model.embed_tokens, quant.Int8Embedding)
 
 
-@pytest.mark.parametrize("path", ["prefill", "decode kernel"])
-def test_int4_perplexity_within_1_percent_of_fp32(fp32, int4, path, monkeypatch):
-    """Lossless layers leave the int8 lm_head's error: measured -0.5 % (22.35 against
-    22.46), top-1 = fp32's at 94 % of positions; through the decode kernel, which also
-    rounds x to 8 bits a block, 22.24 and 97 %. The issue's bound is 1 %."""
-    if path == "decode kernel":  # every matmul through the 4-bit kernel, whatever the rows
-        monkeypatch.setattr(quant, "KERNEL_MAX_ROWS", 1 << 30)
+def test_int4_perplexity_within_1_percent_of_fp32(fp32, int4):
+    """Lossless layers leave the int8 lm_head's error and the kernel's 8-bit rounding of x:
+    measured 22.24 against fp32's 22.46, top-1 = fp32's at 97 % of positions. The issue's
+    bound is 1 %."""
     ppl, ppl_ref, top1 = _against_fp32(fp32, int4)
     assert ppl / ppl_ref < 1.01, (ppl, ppl_ref)
     assert top1 >= 0.9, top1
@@ -324,18 +321,18 @@ def test_int4_perplexity_within_1_percent_of_fp32(fp32, int4, path, monkeypatch)
 
 def test_int4_greedy_output_parts_from_fp32_only_at_near_ties(fp32, int4):
     """The 4-bit kernel rounds x to 8 bits a block (Q8_1) and the lm_head is int8, so greedy
-    output may part from fp32's where fp32 itself is near a tie. Measured: tokens equal to
-    fp32's [16, 16, 16, 16, 16, 3, 16, 4]; at the partings fp32 gives int4's token 0.04 and
-    0.15 nats less than its own."""
+    output may part from fp32's where fp32 itself is near a tie. Measured: 5 of 8 prompts
+    equal over 16 tokens; at the 3 partings fp32 gives int4's token 0.14-0.22 nats less than
+    its own."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     batch = [fp32.tokenizer.encode(p) for p in PROMPTS]
     runs = list(zip(batch, fp32.generate(batch, params), int4.generate(batch, params)))
     agree = [_agreement(ref, out) for _, ref, out in runs]
-    assert sum(n == 16 for n in agree) >= 5, agree
+    assert sum(n == 16 for n in agree) >= 4, agree
     for (prompt, ref, out), n in zip(runs, agree):
         if n < 16:  # fp32's logprobs of int4's tokens: at n, its own choice is barely ahead
             lp = _prompt_logprobs(fp32, prompt + out[:n + 1])[len(prompt) + n - 1]
-            assert lp.top[0][0] == ref[n] and lp.top[0][1] - lp.logprob < 0.25, (n, lp)
+            assert lp.top[0][0] == ref[n] and lp.top[0][1] - lp.logprob < 0.3, (n, lp)
 
 
 # ------------------------------------------------------------------ the fused decode step

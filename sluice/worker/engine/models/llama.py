@@ -253,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def fuse_decode_step(self) -> bool:
-        """Run decode steps of fewer than ``quant.KERNEL_MAX_ROWS`` tokens through one C++
+        """Run decode steps of fewer than ``quant.KERNEL_MAX_ROWS`` (256) tokens through one C++
         call (``csrc/decode_step.cpp``: the layers' same ops, so the same values, without the
         Python between them), where every layer linear runs a weight kernel (the 4-bit or
         packed int8 ones: ``quant.kernel_operands``) and the kernels are built. Returns
