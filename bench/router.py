@@ -76,10 +76,12 @@ def load_average() -> list[float]:
 
 # ---------------------------------------------------------------------------- null worker
 
-def serve_null(port: int, tokens: int, model: str) -> None:
+def serve_null(port: int, tokens: int, model: str, gap_ms: float = 0.0) -> None:
     """An OpenAI-shaped upstream with no model: /health, /v1/models, /metrics, and
     POST /v1/completions or /v1/chat/completions answered at once (``tokens`` SSE chunks
-    when streaming, one JSON body otherwise). Raw asyncio HTTP/1.1 with keep-alive."""
+    when streaming, one JSON body otherwise). Raw asyncio HTTP/1.1 with keep-alive.
+    ``gap_ms`` > 0 (tests): a stream is sent as it would be generated instead, one event per
+    HTTP chunk (chunked transfer encoding), ``gap_ms`` apart."""
     models = json.dumps({"object": "list", "data": [
         {"id": model, "object": "model", "owned_by": "sluice", "max_model_len": 8192}]})
 
@@ -118,6 +120,14 @@ def serve_null(port: int, tokens: int, model: str) -> None:
                     writer.write(response("200 OK", "application/json", models.encode()))
                 elif method == "GET":
                     writer.write(response("200 OK", "application/json", b"{}"))
+                elif (b'"stream": true' in body or b'"stream":true' in body) and gap_ms > 0:
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
+                    for event in [chunk(i) for i in range(tokens)] + [b"data: [DONE]\n\n"]:
+                        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                        await writer.drain()
+                        await asyncio.sleep(gap_ms / 1000)
+                    writer.write(b"0\r\n\r\n")
                 elif b'"stream": true' in body or b'"stream":true' in body:
                     writer.write(response("200 OK", "text/event-stream", stream_body))
                 else:
@@ -264,7 +274,8 @@ def overhead(args, model: Path, tmp: Path) -> dict:
                     cpu_ms = (cpu_seconds(pid) - cpu) * 1000 / (args.overhead_requests + 4) \
                         if pid else None
                     row = result["paths"].setdefault(name, {}).setdefault(level, [])
-                    row.append({"rps": s["rps"], "e2e_p50_ms": s["e2e_ms"]["p50"],
+                    row.append({"rps": s["rps"], "ttft_p50_ms": s["ttft_ms"]["p50"],
+                                "e2e_p50_ms": s["e2e_ms"]["p50"],
                                 "e2e_p99_ms": s["e2e_ms"]["p99"], "failed": s["failed"],
                                 "router_cpu_ms_per_request": cpu_ms})
         result["summary"] = summarize_overhead(result["paths"])
@@ -282,14 +293,17 @@ def _median(values: list[float]) -> float:
 
 
 def summarize_overhead(paths: dict) -> dict:
-    """Per path: median over rounds of p50/p99 (latency runs) and of req/s (throughput
-    runs); added latency = path − direct."""
+    """Per path: median over rounds of p50/p99 (latency runs) and of req/s and TTFT p50
+    (throughput runs); added latency = path − direct."""
     out: dict = {}
     for name, levels in paths.items():
         lat, thr = levels.get("latency", []), levels.get("throughput", [])
         out[name] = {"e2e_p50_ms": _median([r["e2e_p50_ms"] for r in lat]),
                      "e2e_p99_ms": _median([r["e2e_p99_ms"] for r in lat]),
                      "max_rps": _median([r["rps"] for r in thr]),
+                     "ttft_p50_ms_at_max": _median(ttft) if (ttft := [
+                         r["ttft_p50_ms"] for r in thr if r.get("ttft_p50_ms") is not None])
+                     else None,
                      "router_cpu_ms_per_request": _median(
                          [r["router_cpu_ms_per_request"] for r in thr]) if name != "direct"
                      and thr and thr[0].get("router_cpu_ms_per_request") is not None else None,
@@ -438,13 +452,14 @@ def print_tables(result: dict) -> None:
     if over:
         print(f"\nRouter overhead ({over['upstream']}; load average {result['load_average']})")
         print(f"{'path':<12} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
-              f"{'max req/s':>10} {'router CPU ms/req':>18}")
+              f"{'max req/s':>10} {'TTFT p50 @max':>14} {'router CPU ms/req':>18}")
         for name, row in over["summary"].items():
             if not isinstance(row, dict):
                 continue
             print(f"{name:<12} {_fmt(row['e2e_p50_ms'], 2):>8} {_fmt(row['e2e_p99_ms'], 2):>8} "
                   f"{_fmt(row.get('added_p50_ms'), 2):>8} {_fmt(row.get('added_p99_ms'), 2):>8} "
-                  f"{_fmt(row['max_rps']):>10} {_fmt(row.get('router_cpu_ms_per_request'), 3):>18}")
+                  f"{_fmt(row['max_rps']):>10} {_fmt(row.get('ttft_p50_ms_at_max'), 1):>14} "
+                  f"{_fmt(row.get('router_cpu_ms_per_request'), 3):>18}")
         if "sluice_vs_vllm_router_rps" in over["summary"]:
             print(f"sluice / vllm-router req/s: {over['summary']['sluice_vs_vllm_router_rps']:.2f}x")
         if not over.get("vllm_router", {}).get("ran", True):
@@ -474,6 +489,7 @@ def main() -> int:
                    help="keep the other part's results already in --out (with --only)")
     g = p.add_argument_group("overhead")
     g.add_argument("--null-tokens", type=int, default=16)
+    g.add_argument("--null-gap-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     g.add_argument("--latency-concurrency", type=int, default=1)
     g.add_argument("--throughput-concurrency", type=int, default=32)
     g.add_argument("--overhead-requests", type=int, default=400)
@@ -494,7 +510,7 @@ def main() -> int:
     p.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_null:
-        serve_null(args.serve_null, args.null_tokens, store.DEFAULT_MODEL)
+        serve_null(args.serve_null, args.null_tokens, store.DEFAULT_MODEL, args.null_gap_ms)
         return 0
     model = store.fetch(store.DEFAULT_MODEL)
     result: dict = {"model": model.name, "cpus": os.cpu_count(), "load_average": load_average(),

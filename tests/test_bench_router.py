@@ -23,7 +23,7 @@ def test_coprime_groups_and_overhead_summary():
                                         "failed": 0}]},
              "sluice": {"latency": [{"e2e_p50_ms": 1.5, "e2e_p99_ms": 3.0, "rps": 0, "failed": 0}],
                         "throughput": [{"rps": 80.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0,
-                                        "failed": 1}]},
+                                        "failed": 1, "ttft_p50_ms": 900.0}]},
              "vllm-router": {"latency": [{"e2e_p50_ms": 1.2, "e2e_p99_ms": 2.5, "rps": 0,
                                           "failed": 0}],
                              "throughput": [{"rps": 90.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0,
@@ -32,6 +32,8 @@ def test_coprime_groups_and_overhead_summary():
     assert out["sluice"]["added_p50_ms"] == pytest.approx(0.5)
     assert out["sluice"]["added_p99_ms"] == pytest.approx(1.0)
     assert out["sluice"]["failed"] == 1
+    assert out["sluice"]["ttft_p50_ms_at_max"] == 900.0
+    assert out["direct"]["ttft_p50_ms_at_max"] is None  # (rows of an older run: none)
     assert out["sluice_vs_vllm_router_rps"] == pytest.approx(80 / 90)
 
 
