@@ -239,7 +239,7 @@ async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier:
     limit = cascade.prefix_tokens if cascade.mode == "prefix" else None
     try:
         events, partial, done = await unless_disconnected(
-            request.receive, _hold(response.chunks, chat, limit))
+            request, _hold(response.chunks, chat, limit))
     except ClientDisconnected:
         await response.chunks.aclose()  # type: ignore[attr-defined]
         return Response(status_code=CLIENT_CLOSED)

@@ -65,6 +65,7 @@ class Exchange:
         self._worker_ttft_s: float | None = None
         self._last_chunk: float | None = None
         self._gaps = 0
+        self._metrics = state.metrics.of(self.model)
         state.metrics.in_flight.inc()
         state.dispatcher.dispatched(endpoint, routing)
         state.dispatcher.demand.started(self.model)
@@ -131,13 +132,13 @@ class Exchange:
         if self._first_token_at is None:
             self._first_token(now)
         else:
-            self.state.metrics.itl.labels(self.model).observe(now - self._last_chunk)
+            self._metrics.itl.observe(now - self._last_chunk)
             self._gaps += 1
         self._last_chunk = now
 
     def _first_token(self, now: float) -> None:
         self._first_token_at = now
-        self.state.metrics.ttft.labels(self.model).observe(now - self.start)
+        self._metrics.ttft.observe(now - self.start)
         self.state.dispatcher.demand.first_token(self.model, now - self.start,
                                                  self.routing.ttft_slo_s)
         self.lease.first_token(now)
@@ -161,8 +162,8 @@ class Exchange:
         if counted and 400 <= self.status < 500 and self.status != 429:
             self.state.dispatcher.demand.invalid(self.model)
         if counted:
-            self.state.metrics.e2e.labels(self.model).observe(now - self.start)
-            self.state.metrics.requests.labels(self.model, str(self.status)).inc()
+            self._metrics.e2e.observe(now - self.start)
+            self.state.metrics.request_counter(self.model, self.status).inc()
             if self.charge is not None:
                 self.charge.settle(self.status, self._used_tokens(), now)
 

@@ -9,6 +9,8 @@ cascade and one of its tiers.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,10 +24,31 @@ SCORE_BUCKETS = (-10.0, -7.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.75, -
                  -0.1, -0.05, 0.0)  # token log probabilities
 
 
+MAX_CHILDREN = 1024  # cached label children (``RouterMetrics.of``, ``request_counter``)
+
+
+@dataclass(frozen=True)
+class ModelMetrics:
+    """One model's children of the per-model histograms."""
+
+    ttft: Any
+    itl: Any
+    e2e: Any
+
+
 class RouterMetrics:
-    """The router's metrics."""
+    """The router's metrics.
+
+    The proxy path takes its labelled children from ``of`` and ``request_counter``, which
+    resolve each label set once (``labels()`` takes a lock and builds its key on every call,
+    several times per request). Both caches are bounded (cleared past ``MAX_CHILDREN``;
+    label values are bounded anyway, see the module docstring) and never hold a child
+    that the registry has dropped: the router removes no label sets.
+    """
 
     def __init__(self) -> None:
+        self._models: dict[str, ModelMetrics] = {}
+        self._requests: dict[tuple[str, int], Any] = {}
         self.registry = reg = CollectorRegistry()
         self.requests = Counter(names.ROUTER_REQUESTS, "Requests by served model and HTTP status.",
                                 ["model", "status"], registry=reg)
@@ -85,6 +108,26 @@ class RouterMetrics:
         self.cascade_wasted_cost = Counter(
             names.ROUTER_CASCADE_WASTED_COST, "Those tokens priced at their tier's relative "
             "cost (spec.cascade.costs).", ["cascade", "tier"], registry=reg)
+
+
+    def of(self, model: str) -> ModelMetrics:
+        """``model``'s children of ``ttft``, ``itl`` and ``e2e``."""
+        children = self._models.get(model)
+        if children is None:
+            if len(self._models) >= MAX_CHILDREN:
+                self._models.clear()
+            children = self._models[model] = ModelMetrics(
+                self.ttft.labels(model), self.itl.labels(model), self.e2e.labels(model))
+        return children
+
+    def request_counter(self, model: str, status: int) -> Any:
+        """The ``requests`` child of (``model``, ``status``)."""
+        child = self._requests.get((model, status))
+        if child is None:
+            if len(self._requests) >= MAX_CHILDREN:
+                self._requests.clear()
+            child = self._requests[(model, status)] = self.requests.labels(model, str(status))
+        return child
 
 
 class DemandCollector:

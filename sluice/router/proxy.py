@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -84,30 +86,52 @@ async def post(session: aiohttp.ClientSession, url: str, raw: bytes,
     written fails before any byte comes back, and the worker never read the request: the
     request is written again on another connection (``STALE_RETRIES`` times at most), which
     neither marks the worker down nor uses the request's retry. A new connection that
-    fails is a real failure (``_BROKEN``).
+    fails is a real failure (``_BROKEN``). The session's connector must be a
+    ``PoolConnector`` (it tells which connection a request got).
     """
     for attempt in range(STALE_RETRIES + 1):
         pooled = Pooled()
+        token = _POOLED.set(pooled)
         try:
-            return await session.post(url, data=raw, headers=headers, trace_request_ctx=pooled)
+            return await session.post(url, data=raw, headers=headers)
         except _BROKEN as exc:
             if not pooled.reused or attempt == STALE_RETRIES:
                 raise
             logger.info("a kept-alive connection to %s was closed under a request (%s); "
                         "writing it again", url, type(exc).__name__)
+        finally:
+            _POOLED.reset(token)
     raise AssertionError("unreachable")
 
 
 class Pooled:
-    """``post``'s trace context: did aiohttp hand the request a kept-alive connection?"""
+    """What ``PoolConnector`` tells ``post``: did the request get a kept-alive connection?"""
 
     reused = False
 
 
-async def note_reuse(_session: Any, context: Any, _params: Any) -> None:
-    """An ``aiohttp.TraceConfig`` ``on_connection_reuseconn`` hook (the router's session)."""
-    if isinstance(context.trace_request_ctx, Pooled):
-        context.trace_request_ctx.reused = True
+_POOLED: ContextVar[Pooled | None] = ContextVar("sluice_router_pooled", default=None)
+
+
+class PoolConnector(aiohttp.TCPConnector):
+    """The router's connector: a TCP connector that tells ``post`` (through a context
+    variable, set in the request's own task) whether a request got a connection it had
+    handed out before, a kept-alive one. (An ``aiohttp.TraceConfig`` hook told it before,
+    but a session with traces awaits about ten trace signals on every request.)"""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._handed_out: weakref.WeakSet[Any] = weakref.WeakSet()  # their protocols
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        connection = await super().connect(req, traces, timeout)
+        protocol = connection.protocol
+        pooled = _POOLED.get()
+        if pooled is not None and protocol is not None:
+            pooled.reused = protocol in self._handed_out
+        if protocol is not None:
+            self._handed_out.add(protocol)
+        return connection
 
 
 async def forward(request: Request, state: RouterState, endpoint: Endpoint, path: str,
@@ -144,7 +168,7 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
         exchange.waiting()
         try:
             upstream, content, rest = await unless_disconnected(
-                request.receive, _within(state.config.first_byte_timeout, first_byte()))
+                request, _within(state.config.first_byte_timeout, first_byte()))
         finally:
             exchange.answered()
         if upstream.status == 503:
@@ -155,7 +179,8 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
             streaming = True
             return RelayResponse(_relay(upstream, rest, exchange, content or b""),
                                  upstream.status, out_headers,
-                                 on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED))
+                                 on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED),
+                                 ended=upstream.content.at_eof)
         exchange.on_body(content)
         return Response(content, upstream.status, out_headers)
     except asyncio.CancelledError:

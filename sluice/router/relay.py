@@ -2,21 +2,28 @@
 stream without buffering (the request body is read by sluice.api.body, shared with the
 worker).
 
-Both use one helper task per request that reads the ASGI ``receive`` channel and, on
-``http.disconnect``, cancels the request's own task (rather than running the work in a
-second task and racing the two: fewer tasks, less CPU per request).
+Both use one helper task per request (``_DisconnectWatch``, made at the request's first wait
+and kept in its ASGI scope) that reads the ASGI ``receive`` channel and, on
+``http.disconnect``, cancels the request's own task while it waits (rather than running the
+work in a second task and racing the two, or a new watcher per wait: fewer tasks, less CPU
+per request).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi.responses import Response
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
+WATCH_KEY = "sluice.disconnect_watch"  # the request's _DisconnectWatch, in its ASGI scope
 
 
 class ClientDisconnected(Exception):
@@ -24,43 +31,73 @@ class ClientDisconnected(Exception):
 
 
 class _DisconnectWatch:
-    """Cancels the current task when the client disconnects, until ``stop``.
+    """Watches one request's ``receive`` channel for the client leaving; one per request,
+    shared by its waits (admission, first byte, a cascade's held tier, the relay).
 
-    Single-threaded safety: the watcher only cancels while ``stopped`` is False, and the
-    watched task sets it (in ``stop``) before its next await, so a cancellation never lands
-    after the watched work is over.
+    While a wait is *armed* (``arm``) the watcher cancels the waiting task when the client
+    leaves; otherwise it only records it (``gone``), and the next wait ends at once.
+    Single-threaded safety: the watcher cancels only a task that is armed at that moment,
+    and the task disarms (in ``disarm``'s ``finally``) before its next await, so a
+    cancellation never lands after the watched work is over.
     """
 
     def __init__(self, receive: Receive):
-        self.task = asyncio.current_task()
+        self.task: asyncio.Task | None = None  # the armed wait's task
         self.gone = False
-        self.stopped = False
+        self.cancelled = False  # it cancelled the armed task (``absorb`` consumes that)
         self.watcher = asyncio.ensure_future(self._watch(receive))
+
+    @classmethod
+    def of(cls, scope: Scope, receive: Receive) -> _DisconnectWatch:
+        """The request's watch, made at its first wait. Must only be asked for after the
+        request body has been read."""
+        watch = scope.get(WATCH_KEY)
+        if watch is None:
+            watch = scope[WATCH_KEY] = cls(receive)
+        return watch
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self.stopped:
-            self.gone = True
+        self.gone = True  # (also once the response is complete: then nothing is armed)
+        if self.task is not None:
+            self.cancelled = True
             self.task.cancel()
 
+    def arm(self) -> asyncio.Task | None:
+        """Cancel the current task if the client leaves, until ``disarm``; returns what was
+        armed before (for ``disarm``)."""
+        previous, self.task = self.task, asyncio.current_task()
+        return previous
+
+    def disarm(self, previous: asyncio.Task | None = None) -> None:
+        self.task = previous
+
     def stop(self) -> None:
-        self.stopped = True
+        """The response is over: no more waits."""
+        self.task = None
         self.watcher.cancel()
 
     def absorb(self) -> bool:
         """After a CancelledError: True (and the cancellation is consumed) when it was the
         client leaving."""
-        if self.gone:
-            self.task.uncancel()
+        if self.cancelled:
+            self.cancelled = False
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
             return True
         return False
 
 
-async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
-    """Await ``work``; if the client disconnects first, cancel it and raise
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first (or has already), cancel it and raise
     ClientDisconnected. Must only be called after the request body has been read."""
-    watch = _DisconnectWatch(receive)
+    watch = _DisconnectWatch.of(request.scope, request.receive)
+    if watch.gone:
+        _close(work)
+        raise ClientDisconnected
+    previous = watch.arm()
     try:
         return await work
     except asyncio.CancelledError:
@@ -68,7 +105,15 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
             raise ClientDisconnected from None
         raise
     finally:
-        watch.stop()
+        watch.disarm(previous)
+
+
+def _close(work: Any) -> None:
+    """Drop an awaitable that will not be awaited (a coroutine is closed, a future cancelled)."""
+    if asyncio.iscoroutine(work):
+        work.close()
+    elif asyncio.isfuture(work):
+        work.cancel()
 
 
 class RelayResponse(Response):
@@ -76,24 +121,43 @@ class RelayResponse(Response):
 
     Unlike Starlette's StreamingResponse this always closes the iterator (running its
     ``finally``) on every exit path, including a disconnect before the first chunk.
+
+    ``ended``, asked after each chunk, says when the source has nothing more (an upstream
+    answer read to its end): that chunk is then sent as the body's last, rather than
+    followed by an empty one (one write to the client fewer: an answer that arrives whole
+    leaves in one write after the headers). Nothing is held back to find that out.
     """
 
     def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: dict[str, str],
-                 on_disconnect: Callable[[], None] = lambda: None):
+                 on_disconnect: Callable[[], None] = lambda: None,
+                 ended: Callable[[], bool] = lambda: False):
         self.chunks = chunks
         self.on_disconnect = on_disconnect
+        self.ended = ended
         self.status_code = status_code
         self.background = None
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = _DisconnectWatch(receive)
+        watch = _DisconnectWatch.of(scope, receive)
+        watch.arm()
         try:
+            if watch.gone:  # the client left before its answer began
+                self.on_disconnect()
+                return
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
+            complete = False
             async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if complete:  # (the source said it had ended: nothing can follow)
+                    logger.warning("a relayed stream went on after its end; %d bytes dropped",
+                                   len(chunk))
+                    continue
+                complete = self.ended()
+                await send({"type": "http.response.body", "body": chunk,
+                            "more_body": not complete})
+            if not complete:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not watch.absorb():
                 raise
