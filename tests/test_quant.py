@@ -254,21 +254,24 @@ def test_int4_quantization_recovers_q4_1_blocks_and_bounds_other_weights():
         quant.pack_int4(*quant.quantize_weight_int4(torch.randn(6, 64)))
 
 
-def q8_1(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] rounded as llama.cpp's Q8_1 stores it: per block of 32, int8 values times
-    max|x| / 127."""
+def two_digit_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as csrc/int4_linear.cpp rounds it: per block of 32, d = max|x| / 127 and two
+    int8 digits, x ≈ d (q + r / 256)."""
     blocks = x.reshape(x.shape[0], x.shape[1] // 32, 32)
     d = blocks.abs().amax(dim=2, keepdim=True) / 127
-    return (torch.round(blocks / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+    v = blocks * torch.where(d > 0, 1 / d, 0)
+    q = torch.round(v)
+    r = torch.round((v - q) * 256).clamp(-127, 127)
+    return ((q * 256 + r) * (d / 256)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("rows, k, n", [(1, 576, 960), (3, 576, 8), (5, 64, 36), (31, 1536, 64),
                                          (0, 64, 8)])
-def test_native_int4_kernel_equals_the_matmul_of_q8_1_rows(rows, k, n, monkeypatch):
-    """csrc/int4_linear.cpp rounds x to Q8_1 blocks (8 bits each) and is then exact in
-    integers: y = q8_1(x) @ (d q + m).T in fp32 up to summation order, for x rows off its
-    4-row blocks and none. Int4Linear without the kernels is the dequantized fp32 matmul of
-    x itself; the two differ by x's rounding alone."""
+def test_native_int4_kernel_equals_the_matmul_of_its_rounded_rows(rows, k, n, monkeypatch):
+    """csrc/int4_linear.cpp rounds x to two int8 digits a block of 32 and is then exact in
+    integers: y = two_digit_rows(x) @ (d q + m).T in fp32 up to summation order, for x rows
+    off its 4-row blocks and none. Int4Linear without the kernels is the dequantized fp32
+    matmul of x itself; the two differ by x's rounding alone."""
     if not kernels.available(torch.device("cpu")):
         pytest.skip("the native kernels did not build here (see the warning logged)")
     torch.manual_seed(0)
@@ -281,7 +284,8 @@ def test_native_int4_kernel_equals_the_matmul_of_q8_1_rows(rows, k, n, monkeypat
     weight, bias = linear.weight.double(), linear.bias.double()
     y = qlinear(x)
     assert y.shape == (rows, n) and y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), q8_1(x).double() @ weight.T + bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.double(), two_digit_rows(x).double() @ weight.T + bias,
+                               rtol=1e-5, atol=1e-5)
     assert torch.equal(qlinear(x.reshape(rows, 1, k)), y.reshape(rows, 1, n))
     with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
         torch.ops.sluice.int4_linear(x.double(), qlinear.weight, n)
@@ -290,8 +294,8 @@ def test_native_int4_kernel_equals_the_matmul_of_q8_1_rows(rows, k, n, monkeypat
     monkeypatch.setattr(kernels, "available_for", lambda x: False)
     exact = x.double() @ weight.T + bias
     torch.testing.assert_close(qlinear(x).double(), exact, rtol=1e-5, atol=1e-5)
-    if rows:  # 8-bit rows: an error of at most half a step a value, ~0.3 % of |y| here
-        assert 0 < (y.double() - exact).abs().max() < 0.01 * exact.abs().max()
+    if rows:  # x to ~16 bits: an error of at most max|x| / 65,000 a value, ~0.002 % of |y|
+        assert 0 < (y.double() - exact).abs().max() < 1e-4 * exact.abs().max()
 
 
 def test_int4_serves_the_gguf_q4_1_weights_losslessly(fp32, int4):
@@ -311,28 +315,28 @@ def test_int4_serves_the_gguf_q4_1_weights_losslessly(fp32, int4):
 
 
 def test_int4_perplexity_within_1_percent_of_fp32(fp32, int4):
-    """Lossless layers leave the int8 lm_head's error and the kernel's 8-bit rounding of x:
-    measured 22.24 against fp32's 22.46, top-1 = fp32's at 97 % of positions. The issue's
-    bound is 1 %."""
+    """Lossless layers leave the int8 lm_head's error and the kernel's rounding of x to ~16
+    bits: measured -0.5 % (22.35 against 22.46), top-1 = fp32's at 94 % of positions. The
+    issue's bound is 1 %."""
     ppl, ppl_ref, top1 = _against_fp32(fp32, int4)
     assert ppl / ppl_ref < 1.01, (ppl, ppl_ref)
     assert top1 >= 0.9, top1
 
 
 def test_int4_greedy_output_parts_from_fp32_only_at_near_ties(fp32, int4):
-    """The 4-bit kernel rounds x to 8 bits a block (Q8_1) and the lm_head is int8, so greedy
-    output may part from fp32's where fp32 itself is near a tie. Measured: 5 of 8 prompts
-    equal over 16 tokens; at the 3 partings fp32 gives int4's token 0.14-0.22 nats less than
-    its own."""
+    """The 4-bit kernel rounds x to ~16 bits a block and the lm_head is int8, so greedy
+    output may part from fp32's where fp32 itself is near a tie. Measured: tokens equal to
+    fp32's [16, 13, 16, 16, 16, 16, 15, 16]; at the partings fp32 gives int4's token 0.14 and
+    0.08 nats less than its own."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     batch = [fp32.tokenizer.encode(p) for p in PROMPTS]
     runs = list(zip(batch, fp32.generate(batch, params), int4.generate(batch, params)))
     agree = [_agreement(ref, out) for _, ref, out in runs]
-    assert sum(n == 16 for n in agree) >= 4, agree
+    assert sum(n == 16 for n in agree) >= 5, agree
     for (prompt, ref, out), n in zip(runs, agree):
         if n < 16:  # fp32's logprobs of int4's tokens: at n, its own choice is barely ahead
             lp = _prompt_logprobs(fp32, prompt + out[:n + 1])[len(prompt) + n - 1]
-            assert lp.top[0][0] == ref[n] and lp.top[0][1] - lp.logprob < 0.3, (n, lp)
+            assert lp.top[0][0] == ref[n] and lp.top[0][1] - lp.logprob < 0.25, (n, lp)
 
 
 # ------------------------------------------------------------------ the fused decode step

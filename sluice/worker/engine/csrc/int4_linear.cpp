@@ -3,12 +3,15 @@
 // (float16) and 32 unsigned 4-bit values q:
 //   W[n, 32 b + j] = d[n, b] * q[n, 32 b + j] + m[n, b]          q in [0, 15]
 //
-// The rows of x are quantized too, once per call, as llama.cpp's Q8_1 (its vec_dot_q4_1_q8_1
-// is the scheme): each block of 32 values to int8 xq with a scale dx = max|x| / 127 and the
-// block's sum s = dx * sum_j xq. Then, per block, the integer dot product is exact and
-//   y[m, n] = sum_b (d[n, b] * dx[m, b] * sum_j q xq + m[n, b] * s[m, b])
-// which is x' @ W.T for x' = dx * xq, x rounded to 8 bits a block (|x - x'| <= dx / 2),
-// accumulated in fp32.
+// The rows of x are quantized too, once per call, in blocks of 32 as llama.cpp's Q8_1 (its
+// vec_dot_q4_1_q8_1 is the scheme), with a second int8 digit: x / dx = xq + xr / 256 for
+// dx = max|x| / 127, xq = round(x / dx), xr = round(256 (x / dx - xq)), both in [-127, 127],
+// and the block's sum s = dx * sum_j (xq + xr / 256). Then, per block, the integer dot
+// products are exact and
+//   y[m, n] = sum_b (d[n, b] * dx[m, b] / 256 * sum_j q (256 xq + xr) + m[n, b] * s[m, b])
+// which is x' @ W.T for x' = dx * (xq + xr / 256), x to ~16 bits a block (|x - x'| <=
+// dx / 512), accumulated in fp32. One digit alone (Q8_1) cost SmolLM2 0.9 % perplexity on
+// bench/quant.py's text; the second costs two more vpdpbusd a block.
 //
 // Layout (``quant.pack_int4``): like int8_linear's tiles of 4 weight rows, one contiguous run
 // per tile, read front to back: [N / 4][K / 32][80] bytes, each 32-column block of the 4 rows
@@ -19,8 +22,9 @@
 //
 // With AVX-512 VNNI a block of the 4 rows is one 64-byte load: its low and high nibbles
 // against the x block's two halves (each broadcast to the 4 rows) are two vpdpbusd (u8 x s8
-// into int32 lanes, lanes 4 r .. 4 r + 3 row r's), then one fp32 fma by d * dx and one by
-// m * s. Without it a plain loop over the same layout stands in, with the same arithmetic.
+// into int32 lanes, lanes 4 r .. 4 r + 3 row r's) per digit, then one fp32 fma by d * dx and
+// one by m * s. Without it a plain loop over the same layout stands in, with the same
+// arithmetic.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,15 +53,15 @@ constexpr int64_t kNibbleBytes = kTileRows * 16;     // 4 rows x 32 nibbles
 constexpr int64_t kBlockBytes = kNibbleBytes + kTileRows * 4;  // + 4 (d, m) float16 pairs
 constexpr int64_t kPrefetch = 640;                   // bytes ahead in the tile's stream
 
-// x [M, K] as Q8_1 blocks: q [M, K] int8, d and s [M, K / 32].
+// x [M, K] in blocks of 32, two int8 digits each: q and r [M, K], d and s [M, K / 32].
 struct Q8Rows {
-  std::vector<int8_t> q;
+  std::vector<int8_t> q, r;
   std::vector<float> d, s;
 };
 
 Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
-  Q8Rows out{std::vector<int8_t>(M * K), std::vector<float>(M * K / kBlock),
-             std::vector<float>(M * K / kBlock)};
+  Q8Rows out{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K),
+             std::vector<float>(M * K / kBlock), std::vector<float>(M * K / kBlock)};
   for (int64_t b = 0; b < M * K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
@@ -65,12 +69,15 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
     const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
     int32_t sum = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
-      const int8_t v = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-      out.q[b * kBlock + j] = v;
-      sum += v;
+      const float v = xb[j] * inv;
+      const float q = std::nearbyint(v);
+      const float r = std::min(127.f, std::max(-127.f, std::nearbyint((v - q) * 256.f)));
+      out.q[b * kBlock + j] = static_cast<int8_t>(q);
+      out.r[b * kBlock + j] = static_cast<int8_t>(r);
+      sum += 256 * static_cast<int32_t>(q) + static_cast<int32_t>(r);
     }
-    out.d[b] = d;
-    out.s[b] = d * static_cast<float>(sum);
+    out.d[b] = d / 256.f;  // the scale of the two digits together: 256 q + r
+    out.s[b] = out.d[b] * static_cast<float>(sum);
   }
   return out;
 }
@@ -83,6 +90,15 @@ inline void scale_and_min(const uint8_t* block, int64_t r, float* d, float* m) {
 }
 
 #ifdef SLUICE_INT4_VNNI
+// The 4 rows' nibbles (low: columns 0-15 of each row, high: 16-31) against one int8 digit of
+// an x block (32 values, each half broadcast to the 4 rows): lanes 4 r .. 4 r + 3 row r's.
+inline __m512i dot_block(__m512i qlo, __m512i qhi, const int8_t* x) {
+  const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  const __m512i xhi =
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qlo, xlo), qhi, xhi);
+}
+
 // y[m0 .. m0 + MB)[n0 .. n0 + 4) from the tile at w ((K / 32) * 80 bytes).
 template <int MB>
 inline void tile(const Q8Rows& x, const uint8_t* w, float* y, int64_t K, int64_t N, int64_t n0,
@@ -106,12 +122,9 @@ inline void tile(const Q8Rows& x, const uint8_t* w, float* y, int64_t K, int64_t
     const __m512 mv = _mm512_permutexvar_ps(m_lanes, dm);
     for (int i = 0; i < MB; ++i) {
       const int64_t xb = (m0 + i) * blocks + b;
-      const int8_t* xq = x.q.data() + xb * kBlock;
-      const __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
-      const __m512i xhi =
-          _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 16)));
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qlo, xlo),
-                                              qhi, xhi);
+      const __m512i dq = dot_block(qlo, qhi, x.q.data() + xb * kBlock);
+      const __m512i dr = dot_block(qlo, qhi, x.r.data() + xb * kBlock);
+      const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dq, 8), dr);  // < 2^24: exact in fp32
       // each row's m * s once over its 4 lanes: a quarter in each (exact scaling by 2^-2)
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(x.d[xb])),
                                _mm512_fmadd_ps(mv, _mm512_set1_ps(0.25f * x.s[xb]), acc[i]));
@@ -161,10 +174,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
           for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* block = wt + b * kBlockBytes;
             const int8_t* xb = xq.q.data() + (m * blocks + b) * kBlock;
+            const int8_t* rb = xq.r.data() + (m * blocks + b) * kBlock;
             int32_t dot = 0;
             for (int64_t j = 0; j < 16; ++j) {
               const uint8_t v = block[16 * r + j];
-              dot += (v & 0x0F) * xb[j] + (v >> 4) * xb[j + 16];
+              dot += (v & 0x0F) * (256 * xb[j] + rb[j]) + (v >> 4) * (256 * xb[j + 16] + rb[j + 16]);
             }
             float d, mn;
             scale_and_min(block, r, &d, &mn);
