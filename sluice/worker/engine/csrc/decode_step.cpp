@@ -3,7 +3,8 @@
 // CPU): the ops models/llama.py's DecoderLayer.forward runs for a batch of decode tokens (one
 // per sequence), the same ops on the same tensors in the same order, then the final norm.
 // So it gives the same result to the bit, and saves the ~270 module calls and ~1,400 op
-// dispatches a Python step of SmolLM2's 30 layers makes (~2 ms a batch-1 step here).
+// dispatches a Python step of SmolLM2's 30 layers makes: batch-1 ITL on 2 threads, int4
+// 8.2 -> 6.0 ms, int8 9.0 -> 7.0 ms (medians, alternating rounds in one process).
 //
 //   decode_layers(x, cos, sin, weights, k_caches, v_caches, slot_mapping, block_tables,
 //                 context_lens, heads, kv_heads, head_dim, eps, scale) -> hidden [T, H]
