@@ -4,8 +4,9 @@ bandwidth floor.
 Compares the native engine in fp32, with int8 weights (``quantize_int8``, lm_head included:
 the default of ``--quantization int8``), with int8 layers but an fp32 lm_head (the
 measurement behind that default), and with 4-bit layers (``--quantization int4``: the
-GGUF's own Q4_1 blocks, lm_head int8). Prints a table and writes JSON (default
-bench/results/quant.json).
+GGUF's own Q4_1 blocks, lm_head int8), and with 4-bit layers run one op at a time from
+Python instead of in one ``decode_layers`` call (what that call saves). Prints a table and
+writes JSON (default bench/results/quant.json).
 
 - perplexity: of a fixed English text embedded below, from prompt logprobs (the prefill
   path), plus the decode-kernel numerics (every matmul forced through the int8 kernel) and
@@ -89,13 +90,16 @@ def llama_cpp_round(python: Path, gguf: Path, prompt: list[int], max_tokens: int
 
 
 def build_engines(path: Path) -> dict[str, LLMEngine]:
-    """fp32; int8 through the engine flag; int8 layers with the lm_head left in fp32; int4."""
+    """fp32; int8 through the engine flag; int8 layers with the lm_head left in fp32; int4;
+    int4 with its decode steps through the Python layers (without ``decode_layers``)."""
     def make(quantization=None):
         return LLMEngine(EngineConfig(model=str(path), quantization=quantization, kv_cache_gib=0.1))
     int8_fp32_head = make()
     quant.quantize_int8(int8_fp32_head.runner.model, lm_head=False)
+    int4_python_layers = make("int4")
+    int4_python_layers.runner.model.decode_step_weights = None
     return {"fp32": make(), "int8": make("int8"), "int8, fp32 lm_head": int8_fp32_head,
-            "int4": make("int4")}
+            "int4": make("int4"), "int4, Python layers": int4_python_layers}
 
 
 def prompt_logprobs(engine: LLMEngine, ids: list[int]) -> list:
