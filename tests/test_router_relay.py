@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,50 +20,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import router as bench_router  # noqa: E402  (bench/router.py)
+from conftest import free_port, serve  # noqa: E402
 
 from sluice.models.store import DEFAULT_MODEL  # noqa: E402
 
 BODY = {"model": DEFAULT_MODEL, "prompt": "hello", "max_tokens": 8, "stream": True}
 
 
-def _ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode}"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(url)
-
-
 @contextlib.contextmanager
-def _process(argv: list[str]):
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        yield proc
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-@contextlib.contextmanager
-def null_and_router(tokens: int, gap_ms: float):
+def null_and_router(tokens: int, gap_ms: float, tmp: Path):
     """(direct URL, router URL): a null worker streaming ``tokens`` events, and a router."""
-    null_port, router_port = bench_router.free_port(), bench_router.free_port()
-    direct, routed = f"http://127.0.0.1:{null_port}", f"http://127.0.0.1:{router_port}"
-    with _process([sys.executable, "bench/router.py", "--serve-null", str(null_port),
-                   "--null-tokens", str(tokens), "--null-gap-ms", str(gap_ms)]) as null:
-        _ready(f"{direct}/health", null)
-        with _process([sys.executable, "-m", "sluice.cli", "--log-level", "WARNING", "router",
-                       "--port", str(router_port), "--worker", direct]) as router:
-            _ready(f"{routed}/health", router)
+    null_port = free_port()
+    direct = f"http://127.0.0.1:{null_port}"
+    null = bench_router.Proc([sys.executable, "bench/router.py", "--serve-null", str(null_port),
+                              "--null-tokens", str(tokens), "--null-gap-ms", str(gap_ms)],
+                             tmp / "null.log")
+    try:
+        null.ready(f"{direct}/health", timeout=60)
+        router_port = free_port()
+        with serve(["--log-level", "WARNING", "router", "--port", str(router_port),
+                    "--worker", direct], router_port, timeout=60, log=tmp / "router.log") as routed:
             yield direct, routed
+    finally:
+        null.stop()
 
 
 async def _streams(url: str, count: int) -> list[tuple[int, str, bytes]]:
@@ -80,10 +55,10 @@ async def _streams(url: str, count: int) -> list[tuple[int, str, bytes]]:
 
 
 @pytest.mark.parametrize("tokens, gap_ms", [(16, 0.0), (5, 20.0)])
-def test_relayed_sse_is_byte_identical(tokens, gap_ms):
+def test_relayed_sse_is_byte_identical(tokens, gap_ms, tmp_path):
     """Whole answers (gap 0) and chunk-by-chunk streams (gap 20 ms), one at a time and 50
     at once: every relayed body equals the upstream's, byte for byte."""
-    with null_and_router(tokens, gap_ms) as (direct, routed):
+    with null_and_router(tokens, gap_ms, tmp_path) as (direct, routed):
         (status, content_type, expected), = asyncio.run(_streams(direct, 1))
         assert status == 200 and content_type == "text/event-stream"
         assert expected.count(b"data: ") == tokens + 1 and expected.endswith(b"data: [DONE]\n\n")
