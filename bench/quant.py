@@ -9,7 +9,8 @@ Python instead of in one ``decode_layers`` call (what that call saves). Prints a
 writes JSON (default bench/results/quant.json).
 
 - perplexity: of a fixed English text embedded below, from prompt logprobs (the prefill
-  path), plus the decode-kernel numerics (every matmul forced through the int8 kernel) and
+  path), plus the decode-kernel numerics (int8 prefill chunks small enough for the decode
+  steps' kernel) and
   the share of positions whose top-1 token equals fp32's (teacher-forced).
 - decode: batch 1, greedy, same prompt, ``--max-tokens`` tokens; ITL is the median
   ``engine.step()`` time over the decode steps of all rounds (rounds alternate between the
@@ -113,16 +114,14 @@ def prompt_logprobs(engine: LLMEngine, ids: list[int]) -> list:
     return out
 
 
-def quality(engines: dict[str, LLMEngine]) -> dict[str, dict]:
-    """Perplexity and teacher-forced top-1 agreement with fp32 on TEXT."""
+def quality(engines: dict[str, LLMEngine], path: Path) -> dict[str, dict]:
+    """Perplexity and teacher-forced top-1 agreement with fp32 on TEXT; "int8, decode
+    kernel" prefills in chunks of 32 tokens, so that every int8 matmul runs the decode
+    steps' kernel (below 48 rows: fp32 activations) instead of the two-digit int8 GEMM."""
     ids = engines["fp32"].tokenizer.encode(TEXT)
     runs = {name: prompt_logprobs(e, ids) for name, e in engines.items()}
-    default_rows = quant.KERNEL_MAX_ROWS
-    quant.KERNEL_MAX_ROWS = 1 << 30  # every matmul through the decode kernels
-    try:
-        runs["int8, decode kernel"] = prompt_logprobs(engines["int8"], ids)  # int4's runs it always
-    finally:
-        quant.KERNEL_MAX_ROWS = default_rows
+    runs["int8, decode kernel"] = prompt_logprobs(LLMEngine(EngineConfig(
+        model=str(path), quantization="int8", kv_cache_gib=0.1, long_prefill_token_threshold=32)), ids)
     ref_top = [lp.top[0][0] for lp in runs["fp32"]]
     return {name: {"tokens": len(lps),
                    "perplexity": math.exp(-sum(lp.logprob for lp in lps) / len(lps)),
@@ -264,7 +263,7 @@ def main() -> None:
         [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True))
     load_before = os.getloadavg()[0]
     copy_bw, read_bw = bandwidth()
-    quality_rows = quality(engines)
+    quality_rows = quality(engines, model_dir)
     steps: dict[str, list[float]] = {name: [] for name in engines}
     prefills: dict[str, list[float]] = {name: [] for name in engines}
     for e in engines.values():

@@ -3,8 +3,8 @@ one library that registers ``torch.ops.sluice.*``:
 
 - ``paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)``: decode attention
   over the paged KV cache, read in place (``attention.decode_attention``);
-- ``int8_linear(x, q, scales)`` and ``int4_linear(x, w, N)``: the weight-only int8 and
-  4-bit matmuls (``quant.Int8Linear`` below 256 rows, ``quant.Int4Linear`` at any);
+- ``int8_linear(x, q, scales)`` and ``int4_linear(x, w, N)``: the int8 and 4-bit weight
+  matmuls (``quant.Int8Linear``, ``quant.Int4Linear``), at any row count;
 - ``add_rms_norm_``, ``silu_and_mul``, ``rotary_``: the small ops between a layer's matmuls;
 - ``decode_layers(...)``: a whole decode step's layers in one call, for models whose
   linears all run those kernels (``LlamaForCausalLM.fuse_decode_step``).

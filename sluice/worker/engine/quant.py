@@ -21,16 +21,18 @@ weight is at most scale[n] / 2, about 1/254 of its row's largest magnitude. LLM.
 (bench/quant.py): perplexity 22.25 fp32 → 22.36 int8 weight-only, while W8A8 with per-tensor
 dynamic activation quantization (fbgemm's dynamic Linear) gives 60.
 
-Kernels, for decode steps and small prefill chunks (``KERNEL_MAX_ROWS``):
+Kernels:
 
-- fp32 activations on CPU: Sluice's ``torch.ops.sluice.int8_linear(x [M, K] fp32, q packed
-  [N / 4, K / 16, 4, 16] int8, scales [N] fp32) -> [M, N]`` (``csrc/int8_linear.cpp``, built
-  by ``kernels``): exact int8 → fp32 conversion and fp32 accumulation in AVX-512 registers,
-  over weights packed in 4-row tiles (``pack_tiles``) that it reads as one stream. Over
-  SmolLM2's 121 weight matrices (~135 MB, past every cache): 4.4 ms a step on 2 threads
-  (30 GB/s), where aten's kernel below took ~10.5 ms; batch-1 decode ITL 17.9 → 8.5-9.1 ms
-  with the fused decode ops (``models/llama.py``). It beats the fallback up to ~256 rows
-  (3072×576, 2 threads: 64 rows 1.4 vs 2.3 ms, 256 rows 5.7 vs 5.9 ms, even at 512).
+- fp32 activations on CPU, any row count: Sluice's ``torch.ops.sluice.int8_linear(x [M, K]
+  fp32, q packed [N / 4, K / 16, 4, 16] int8, scales [N] fp32) -> [M, N]``
+  (``csrc/int8_linear.cpp``, built by ``kernels``). Below 48 rows (decode steps): exact
+  int8 → fp32 conversion and fp32 accumulation in AVX-512 registers, over weights packed in
+  4-row tiles (``pack_tiles``) that it reads as one stream. Over SmolLM2's 121 weight
+  matrices (~135 MB, past every cache): 4.4 ms a step on 2 threads (30 GB/s), where aten's
+  kernel below took ~10.5 ms; batch-1 decode ITL 17.9 → 8.5-9.1 ms with the fused decode
+  ops (``models/llama.py``). From 48 rows (prefill chunks, large batches): x's rows rounded
+  to two int8 digits (~16 bits) and an int8 GEMM (oneDNN, VNNI), 1.3-2.3x faster than the
+  fp32 matmul; perplexity 22.365 against the weight-only model's 22.363.
 - Without the native kernels (``SLUICE_NATIVE_KERNELS=0``, a failed build), or for bfloat16
   activations (measured on this AVX-512 CPU without AMX, torch 2.13, 1 thread):
   ``torch.ops.aten._weight_int8pack_mm(x [M, K], q [N, K] int8, scales [N]) -> [M, N]``
@@ -76,9 +78,9 @@ from sluice.worker.engine import kernels
 logger = logging.getLogger(__name__)
 
 QMAX = 127
-# Rows (tokens) below which an int8 kernel beats dequantize-then-fp32-matmul on this CPU:
-# Sluice's (csrc/int8_linear.cpp) and aten's. The 4-bit kernel beats it at every row count.
-KERNEL_MAX_ROWS, ATEN_KERNEL_MAX_ROWS = 256, 32
+# Rows (tokens) below which aten's int8 kernel beats dequantize-then-fp32-matmul on this CPU.
+# Sluice's kernels (int8 and 4-bit) beat it at every row count.
+ATEN_KERNEL_MAX_ROWS = 32
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # aten::_weight_int8pack_mm reads past the weight's rows (a segfault, torch 2.13) unless
 # in_features is a multiple of this; every Llama/Qwen projection is.
@@ -287,8 +289,7 @@ class Int8Linear(nn.Module):
             y = self.forward(x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
-        if (self.packed and rows < KERNEL_MAX_ROWS and x.dtype == torch.float32
-                and kernels.available_for(x)):
+        if self.packed and x.dtype == torch.float32 and kernels.available_for(x):
             y = torch.ops.sluice.int8_linear(x.contiguous(), self.weight, self.scales)
         elif (x.is_cpu and rows < ATEN_KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES
               and self.in_features % ATEN_K_MULTIPLE == 0 and _has_kernel()):

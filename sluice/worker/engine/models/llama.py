@@ -241,8 +241,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] → final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary(positions, x.dtype)
-        if (self.decode_step_weights is not None and not meta.prefills
-                and x.shape[0] < quant.KERNEL_MAX_ROWS and _native(x)):
+        if self.decode_step_weights is not None and not meta.prefills and _native(x):
             return torch.ops.sluice.decode_layers(
                 x, *rope, self.decode_step_weights, [k for k, _ in kv_caches],
                 [v for _, v in kv_caches], meta.slot_mapping, meta.decode_block_tables,
@@ -253,11 +252,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def fuse_decode_step(self) -> bool:
-        """Run decode steps of fewer than ``quant.KERNEL_MAX_ROWS`` (256) tokens through one C++
-        call (``csrc/decode_step.cpp``: the layers' same ops, so the same values, without the
-        Python between them), where every layer linear runs a weight kernel (the 4-bit or
-        packed int8 ones: ``quant.kernel_operands``) and the kernels are built. Returns
-        whether it will."""
+        """Run decode steps through one C++ call (``csrc/decode_step.cpp``: the layers' same
+        ops, so the same values, without the Python between them), where every layer linear
+        runs a weight kernel (the 4-bit or packed int8 ones: ``quant.kernel_operands``) and
+        the kernels are built. Returns whether it will."""
         weights = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
