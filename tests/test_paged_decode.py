@@ -36,22 +36,23 @@ def kernel():
     return op
 
 
-def decode_batch(lens: list[int], heads_q: int, heads_kv: int, dtype: torch.dtype, seed: int = 0):
+def decode_batch(lens: list[int], heads_q: int, heads_kv: int, dtype: torch.dtype, seed: int = 0,
+                 head_dim: int = HEAD_DIM, block_size: int = BLOCK_SIZE):
     """Random q and caches, and block tables drawn without replacement from the pool, padded
     with 0 past each context like ModelRunner's. Returns (q, k_cache, v_cache, tables, lens, mask)."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(len(lens), heads_q, HEAD_DIM, generator=gen).to(dtype)
-    shape = (NUM_BLOCKS, BLOCK_SIZE, heads_kv, HEAD_DIM)
+    q = torch.randn(len(lens), heads_q, head_dim, generator=gen).to(dtype)
+    shape = (NUM_BLOCKS, block_size, heads_kv, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    max_blocks = -(-max(lens) // BLOCK_SIZE)
+    max_blocks = -(-max(lens) // block_size)
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)
     for b, n in enumerate(lens):
-        for i in range(-(-n // BLOCK_SIZE)):
+        for i in range(-(-n // block_size)):
             tables[b, i] = free.pop()
     context_lens = torch.tensor(lens)
-    max_len = max_blocks * BLOCK_SIZE
+    max_len = max_blocks * block_size
     mask = (torch.arange(max_len) < context_lens.unsqueeze(1)).view(len(lens), 1, 1, max_len)
     return q, k_cache, v_cache, tables, context_lens, mask
 
@@ -69,6 +70,19 @@ def test_kernel_matches_sdpa(kernel, dtype, group, batch):
         want = sdpa_decode(q, k_cache, v_cache, tables, mask, scale)
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"lens {lens}: {m}")
+
+
+@pytest.mark.parametrize("head_dim, block_size", [(128, 16), (64, 8), (96, 16)])
+def test_kernel_matches_sdpa_at_other_head_and_block_sizes(kernel, head_dim, block_size):
+    """fp32 with heads of 64 or 128 in blocks of 16 takes the AVX-512 version; the rest the
+    generic loop (here blocks of 8, heads of 96); both against SDPA."""
+    lens = [1, block_size, block_size + 1, 77, 300]
+    q, k_cache, v_cache, tables, context_lens, mask = decode_batch(
+        lens, 6, 2, torch.float32, head_dim=head_dim, block_size=block_size)
+    scale = head_dim ** -0.5
+    got = kernel(q, k_cache, v_cache, tables, context_lens, scale)
+    torch.testing.assert_close(got, sdpa_decode(q, k_cache, v_cache, tables, mask, scale),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_takes_int32_tables_and_rejects_bad_ones(kernel):
