@@ -27,7 +27,8 @@ def run_bench(script: str, *args: str, out: Path) -> dict:
 
 @pytest.mark.slow
 def test_engine_bench_native_and_hf(tmp_path):
-    result = run_bench("engine.py", "--engines", "native", "native-int4", "hf", "--concurrency", "1", "2",
+    result = run_bench("engine.py", "--engines", "native", "native-int8", "native-int4", "hf",
+                       "--concurrency", "1", "2",
                        "--max-tokens", "4", "--requests-per-level", "1", "--hf-requests", "1",
                        out=tmp_path / "engine.json")
     for level in ("1", "2"):
@@ -35,8 +36,10 @@ def test_engine_bench_native_and_hf(tmp_path):
         assert native["failed"] == 0 and native["tok_s"] > 0 and native["peak_rss_mib"] > 100
         assert native["itl_ms"]["count"] == 3 * max(int(level), 4)  # 4 tokens → 3 gaps per request
     assert result["hf"]["2"]["requests_served"] == 1
-    assert result["native-int4"]["2"]["failed"] == 0 and result["native-int4"]["2"]["tok_s"] > 0
-    assert {"native / hf tok/s at C=2", "native-int4 / hf tok/s at C=2"} <= set(result["ratios"])
+    for quantized in ("native-int8", "native-int4"):
+        assert result[quantized]["2"]["failed"] == 0 and result[quantized]["2"]["tok_s"] > 0
+    assert {"native / hf tok/s at C=2", "native-int8 / hf tok/s at C=2",
+            "native-int4 / hf tok/s at C=2"} <= set(result["ratios"])
     assert result["floor"]["weight_bytes"] == 134_515_008 * 4  # SmolLM2's parameters, fp32
 
 
