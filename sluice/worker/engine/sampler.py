@@ -63,7 +63,7 @@ def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy request samples from.
 
     Divide by the temperature, keep the top-k, then the smallest set whose mass reaches
-    top-p (Holtzman et al. 2019, nucleus sampling); unnormalized is fine for multinomial.
+    top-p (Holtzman et al. 2019, nucleus sampling); unnormalized is fine for ``draw``.
 
     Args:
         logits: [vocab] fp32.

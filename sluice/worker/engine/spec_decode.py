@@ -25,7 +25,7 @@ import torch
 
 from sluice.worker.engine.block_manager import BlockManager
 from sluice.worker.engine.model_runner import ModelRunner
-from sluice.worker.engine.sampler import processed_probs
+from sluice.worker.engine.sampler import draw, processed_probs
 from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.engine.sequence import Sequence
 
@@ -140,6 +140,13 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
             out.append(draft)
             continue
         p[draft] = 0.0  # residual distribution: max(0, p - one_hot(draft))
-        return out + [int(torch.multinomial(p, 1, generator=generator))]
-    p = processed_probs(logits[len(drafts)], params)
-    return out + [int(torch.multinomial(p, 1, generator=generator))]
+        return out + [_draw(p, generator)]
+    return out + [_draw(processed_probs(logits[len(drafts)], params), generator)]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from probs [vocab] (``sampler.draw``); its ValueError raised."""
+    token = draw(probs[None], [generator])[0]
+    if isinstance(token, Exception):
+        raise token
+    return token
