@@ -10,8 +10,7 @@ writes JSON (default bench/results/quant.json).
 
 - perplexity: of a fixed English text embedded below, from prompt logprobs (the prefill
   path), plus the decode-kernel numerics (int8 prefill chunks small enough for the decode
-  steps' kernel) and
-  the share of positions whose top-1 token equals fp32's (teacher-forced).
+  steps' kernel) and the share of positions whose top-1 token equals fp32's (teacher-forced).
 - decode: batch 1, greedy, same prompt, ``--max-tokens`` tokens; ITL is the median
   ``engine.step()`` time over the decode steps of all rounds (rounds alternate between the
   variants so that background load hits them alike).

@@ -32,7 +32,7 @@ Kernels:
   kernel below took ~10.5 ms; batch-1 decode ITL 17.9 → 8.5-9.1 ms with the fused decode
   ops (``models/llama.py``). From 48 rows (prefill chunks, large batches): x's rows rounded
   to two int8 digits (~16 bits) and an int8 GEMM (oneDNN, VNNI), 1.3-2.3x faster than the
-  fp32 matmul; perplexity 22.365 against the weight-only model's 22.363.
+  fp32 matmul; perplexity 22.362 against the decode kernel's 22.363 (bench/quant.py).
 - Without the native kernels (``SLUICE_NATIVE_KERNELS=0``, a failed build), or for bfloat16
   activations (measured on this AVX-512 CPU without AMX, torch 2.13, 1 thread):
   ``torch.ops.aten._weight_int8pack_mm(x [M, K], q [N, K] int8, scales [N]) -> [M, N]``
