@@ -17,12 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import weakref
 from collections.abc import AsyncIterator, Awaitable
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import aiohttp
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
@@ -30,6 +27,8 @@ from sluice.api.openai import error_body
 from sluice.router.endpoints import Endpoint
 from sluice.router.exchange import Exchange
 from sluice.router.relay import ClientDisconnected, RelayResponse, unless_disconnected
+from sluice.router.upstream import (ConnectFailed, ConnectionLost, ReadTimeout, Upstream,
+                                   UpstreamError, UpstreamResponse)
 
 if TYPE_CHECKING:
     from sluice.router.app import RouterState
@@ -41,7 +40,8 @@ T = TypeVar("T")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and ones the HTTP client or server sets itself.
 DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
-                        "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection"}
+                        "te", "trailer", "upgrade", "proxy-authorization", "proxy-connection",
+                        "expect"}  # (the router has read the body: no 100 Continue to wait for)
 DROP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding",
                          "date", "server"}
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
@@ -72,66 +72,23 @@ class TryElsewhere(Exception):
         self.kind = kind
 
 
-# the connection died under a request: it may be resent elsewhere if nothing came back yet
-_BROKEN = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError)
-_TIMEOUTS = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)
-STALE_RETRIES = 2  # pooled connections found closed under one request, at most
-
-
-async def post(session: aiohttp.ClientSession, url: str, raw: bytes,
-               headers: dict[str, str]) -> aiohttp.ClientResponse:
+async def post(pool: Upstream, base: str, path: str, raw: bytes,
+               headers: dict[str, str]) -> UpstreamResponse:
     """POST and return once the answer's headers are in.
 
     A pooled connection the worker closed (its keep-alive ran out) just as the request was
     written fails before any byte comes back, and the worker never read the request: the
-    request is written again on another connection (``STALE_RETRIES`` times at most), which
-    neither marks the worker down nor uses the request's retry. A new connection that
-    fails is a real failure (``_BROKEN``). The session's connector must be a
-    ``PoolConnector`` (it tells which connection a request got).
+    request is written again once, on a new connection, which neither marks the worker
+    down nor uses the request's retry. A new connection that fails is a real failure.
     """
-    for attempt in range(STALE_RETRIES + 1):
-        pooled = Pooled()
-        token = _POOLED.set(pooled)
-        try:
-            return await session.post(url, data=raw, headers=headers)
-        except _BROKEN as exc:
-            if not pooled.reused or attempt == STALE_RETRIES:
-                raise
-            logger.info("a kept-alive connection to %s was closed under a request (%s); "
-                        "writing it again", url, type(exc).__name__)
-        finally:
-            _POOLED.reset(token)
-    raise AssertionError("unreachable")
-
-
-class Pooled:
-    """What ``PoolConnector`` tells ``post``: did the request get a kept-alive connection?"""
-
-    reused = False
-
-
-_POOLED: ContextVar[Pooled | None] = ContextVar("sluice_router_pooled", default=None)
-
-
-class PoolConnector(aiohttp.TCPConnector):
-    """The router's connector: a TCP connector that tells ``post`` (through a context
-    variable, set in the request's own task) whether a request got a connection it had
-    handed out before, a kept-alive one. (An ``aiohttp.TraceConfig`` hook told it before,
-    but a session with traces awaits about ten trace signals on every request.)"""
-
-    def __init__(self, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._handed_out: weakref.WeakSet[Any] = weakref.WeakSet()  # their protocols
-
-    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
-        connection = await super().connect(req, traces, timeout)
-        protocol = connection.protocol
-        pooled = _POOLED.get()
-        if pooled is not None and protocol is not None:
-            pooled.reused = protocol in self._handed_out
-        if protocol is not None:
-            self._handed_out.add(protocol)
-        return connection
+    try:
+        return await pool.post(base, path, raw, headers)
+    except ConnectionLost as exc:
+        if not exc.reused or exc.answered:
+            raise
+        logger.info("a kept-alive connection to %s was closed under a request (%s); "
+                    "writing it again", base, exc)
+    return await pool.post(base, path, raw, headers, fresh=True)
 
 
 async def forward(request: Request, state: RouterState, endpoint: Endpoint, path: str,
@@ -150,24 +107,22 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
             the worker ejected; the exchange is released uncounted.
     """
     streaming = False
-    upstream: aiohttp.ClientResponse | None = None
+    upstream: UpstreamResponse | None = None
 
-    async def first_byte() -> tuple[aiohttp.ClientResponse, bytes | None,
-                                    AsyncIterator[bytes] | None]:
+    async def first_byte() -> tuple[UpstreamResponse, bytes | None, bool]:
         nonlocal upstream
-        upstream = await post(state.session, endpoint.url + path, raw, headers)
+        upstream = await post(state.upstream, endpoint.url, path, raw, headers)
         exchange.on_headers(upstream.status, upstream.headers)
         if upstream.status == 503:
-            return upstream, None, None
+            return upstream, None, False
         if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return upstream, await upstream.read(), None
-        chunks = upstream.content.iter_any()
-        return upstream, await anext(chunks, b""), chunks
+            return upstream, await upstream.read(), False
+        return upstream, await anext(upstream, b""), True
 
     try:
         exchange.waiting()
         try:
-            upstream, content, rest = await unless_disconnected(
+            upstream, content, stream = await unless_disconnected(
                 request, _within(state.config.first_byte_timeout, first_byte()))
         finally:
             exchange.answered()
@@ -175,12 +130,12 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
             exchange.on_complete(counted=False)
             raise TryElsewhere("answered 503", refused=False)
         out_headers = response_headers(upstream)
-        if rest is not None:
+        if stream:
             streaming = True
-            return RelayResponse(_relay(upstream, rest, exchange, content or b""),
+            return RelayResponse(_relay(upstream, exchange, content or b""),
                                  upstream.status, out_headers,
                                  on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED),
-                                 ended=upstream.content.at_eof)
+                                 ended=upstream.at_eof)
         exchange.on_body(content)
         return Response(content, upstream.status, out_headers)
     except asyncio.CancelledError:
@@ -194,10 +149,10 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
         logger.info("client left; closed the request to %s", endpoint.url)
         exchange.status = CLIENT_CLOSED
         return Response(status_code=CLIENT_CLOSED)
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:  # not sent
+    except ConnectFailed as exc:  # not sent
         exchange.on_complete(counted=False)
         raise TryElsewhere(f"connect failed: {exc}", refused=True, kind="refused") from exc
-    except _TIMEOUTS as exc:
+    except TimeoutError as exc:  # (a ReadTimeout too)
         if state.endpoints.generating(endpoint):
             logger.warning("no answer from %s in time; it is still generating, so only this "
                            "request ends", endpoint.url)
@@ -207,11 +162,11 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
         exchange.status = 504
         return openai_error(504, f"worker {endpoint.url} did not answer in time "
                             f"({type(exc).__name__})", "server_error", code="upstream_timeout")
-    except _BROKEN as exc:  # sent, and the worker died before answering
+    except ConnectionLost as exc:  # sent, and the worker died before answering
         exchange.on_complete(counted=False)
-        raise TryElsewhere(f"connection lost before the first byte: {type(exc).__name__}",
+        raise TryElsewhere(f"connection lost before the first byte: {exc}",
                             refused=False, sent=True, kind="broken") from exc
-    except aiohttp.ClientError as exc:
+    except UpstreamError as exc:
         state.endpoints.mark_down(endpoint, f"{type(exc).__name__}: {exc}")
         exchange.status = 502
         return openai_error(502, f"worker {endpoint.url} failed: {type(exc).__name__}",
@@ -228,30 +183,30 @@ async def _within(seconds: float, work: Awaitable[T]) -> T:
         return await work
 
 
-def _close(upstream: aiohttp.ClientResponse) -> None:
+def _close(upstream: UpstreamResponse) -> None:
     """Give the connection back when the answer was read to its end; otherwise close it, so
     the worker sees the client leave and aborts the request."""
-    if upstream.content.at_eof():
+    if upstream.at_eof():
         upstream.release()
     else:
         upstream.close()
 
 
-async def _relay(upstream: aiohttp.ClientResponse, rest: AsyncIterator[bytes],
-                 exchange: Exchange, first: bytes) -> AsyncIterator[bytes]:
+async def _relay(upstream: UpstreamResponse, exchange: Exchange,
+                 first: bytes) -> AsyncIterator[bytes]:
     """Yield ``first``, then the rest of the worker's bytes as they arrive; close the
     upstream response when done, failed, or closed early (client gone)."""
     try:
         if first:
             exchange.on_chunk(first)
             yield first
-        async for chunk in rest:
+        async for chunk in upstream:
             exchange.on_chunk(chunk)
             yield chunk
-    except (aiohttp.ClientError, *_TIMEOUTS) as exc:  # headers are sent: an error event
+    except UpstreamError as exc:  # headers are sent: an error event
         logger.warning("stream from %s broke: %s: %s", exchange.endpoint.url,
                        type(exc).__name__, exc)
-        timeout = isinstance(exc, _TIMEOUTS)
+        timeout = isinstance(exc, ReadTimeout)
         exchange.state.metrics.broken_streams.labels(
             exchange.model, "timeout" if timeout else "broken").inc()
         exchange.state.endpoints.eject(exchange.endpoint, "timeout" if timeout else "broken",
@@ -272,5 +227,5 @@ def forward_headers(request: Request, keys: KeyRing | None) -> dict[str, str]:
     return headers
 
 
-def response_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
+def response_headers(upstream: UpstreamResponse) -> dict[str, str]:
+    return {k: v for k, v in upstream.headers.items() if k not in DROP_RESPONSE_HEADERS}
