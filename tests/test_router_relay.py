@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -69,4 +70,27 @@ def test_relayed_sse_is_byte_identical(tokens, gap_ms, tmp_path):
         metrics = httpx.get(f"{routed}/metrics", timeout=10).text
         assert f'sluice_router_requests_total{{model="{DEFAULT_MODEL}",status="200"}} 51.0' \
             in metrics
+        assert "sluice_router_in_flight_requests 0.0" in metrics
+
+
+def test_a_client_leaving_mid_stream_is_counted_499(tmp_path):
+    """The client closes after its first event while the worker is still generating: the
+    router counts a 499 (not a 200), and nothing stays in flight."""
+    async def leave(url: str) -> bytes:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", f"{url}/v1/completions", json=BODY) as r:
+                async for chunk in r.aiter_raw():
+                    return chunk  # and close the connection
+        raise AssertionError("no event came")
+
+    with null_and_router(100, 50.0, tmp_path) as (_, routed):
+        assert asyncio.run(leave(routed)).startswith(b"data: ")
+        for _ in range(100):  # the router sees the connection go at its next event
+            metrics = httpx.get(f"{routed}/metrics", timeout=10).text
+            if "sluice_router_in_flight_requests 0.0" in metrics:
+                break
+            time.sleep(0.05)
+        assert f'sluice_router_requests_total{{model="{DEFAULT_MODEL}",status="499"}} 1.0' \
+            in metrics
+        assert 'status="200"' not in metrics
         assert "sluice_router_in_flight_requests 0.0" in metrics

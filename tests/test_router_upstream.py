@@ -317,3 +317,78 @@ def test_a_cancelled_request_closes_its_connection():
             await asyncio.sleep(0)
             assert not pool._open
     run(main())
+
+
+def test_bytes_no_request_asked_for_close_the_connection():
+    """A worker that sends more than its answer (here the start of a second one, in the same
+    write or later while the connection is idle): that connection is never used again."""
+    async def extra(reader, writer, n):
+        if n == 1:  # with the answer
+            writer.write(answer(b"one") + b"HTTP/1.1 200 OK\r\ncontent-length: 500\r\n\r\nabc")
+        else:
+            writer.write(answer(b"answer %d" % n))
+            if n == 2:  # after the answer, while the router's connection is idle
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 500\r\n\r\nabc")
+
+    async def main():
+        server = Server(extra)
+        async with server as base:
+            pool = Upstream(5, 5, 4)
+            for n in (1, 2):
+                response = await pool.post(base, "/", BODY, {})
+                assert await response.read() == (b"one" if n == 1 else b"answer 2")
+                response.release()
+                await asyncio.sleep(0.1)
+            assert not pool._idle.get(base)  # neither connection was kept
+            response = await pool.post(base, "/", BODY, {})
+            assert await response.read() == b"answer 3"
+            assert server.connections == 3
+            await pool.close()
+    run(main())
+
+
+def test_idle_connections_are_swept_after_the_keepalive_timeout():
+    closed = asyncio.Event()
+
+    async def answers_then_waits(reader, writer, n):
+        writer.write(answer())
+        await writer.drain()
+        if await reader.read() == b"":  # the router closed it
+            closed.set()
+        return "close"
+
+    async def main():
+        async with Server(answers_then_waits) as base:
+            pool = Upstream(5, 5, keepalive_timeout=0.1)
+            response = await pool.post(base, "/", BODY, {})
+            await response.read()
+            response.release()
+            assert len(pool._idle[base]) == 1
+            await asyncio.wait_for(closed.wait(), 2)  # no request came: the sweep closed it
+            assert not pool._idle[base]
+            await pool.close()
+    run(main())
+
+
+def test_trailers_are_dropped_and_a_non_chunked_coding_ends_with_the_connection():
+    async def trailers(reader, writer, n):
+        if n == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-t\r\n\r\n"
+                         b"3\r\nabc\r\n0\r\nx-t: 1\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: identity\r\n\r\nto the end")
+            return "close"
+
+    async def main():
+        async with Server(trailers) as base:
+            pool = Upstream(5, 5, 4)
+            response = await pool.post(base, "/", BODY, {})
+            assert await response.read() == b"abc"
+            assert "x-t" not in response.headers and response.headers["trailer"] == "x-t"
+            response.release()
+            response = await pool.post(base, "/", BODY, {})
+            assert await response.read() == b"to the end"
+            await pool.close()
+    run(main())

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sluice.router.app import RouterState
 
 
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
@@ -159,7 +160,7 @@ class Exchange:
         self.state.dispatcher.finished(self.endpoint, self.prediction, gap, self.model)
         self.state.dispatcher.demand.finished(self.model, gap if counted else None,
                                               self.routing.itl_slo_s)
-        if counted and 400 <= self.status < 500 and self.status != 429:
+        if counted and 400 <= self.status < 500 and self.status not in (429, CLIENT_CLOSED):
             self.state.dispatcher.demand.invalid(self.model)
         if counted:
             self._metrics.e2e.observe(now - self.start)

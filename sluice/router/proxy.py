@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from sluice.api.openai import error_body
 from sluice.router.endpoints import Endpoint
-from sluice.router.exchange import Exchange
+from sluice.router.exchange import CLIENT_CLOSED, Exchange
 from sluice.router.relay import ClientDisconnected, RelayResponse, unless_disconnected
 from sluice.router.upstream import (ConnectFailed, ConnectionLost, ReadTimeout, Upstream,
                                    UpstreamError, UpstreamResponse)
@@ -44,7 +44,6 @@ DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "t
                         "expect"}  # (the router has read the body: no 100 Continue to wait for)
 DROP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding",
                          "date", "server"}
-CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
 
 
 def openai_error(status: int, message: str, type_: str, param: str | None = None,
@@ -86,7 +85,7 @@ async def post(pool: Upstream, base: str, path: str, raw: bytes,
     except ConnectionLost as exc:
         if not exc.reused or exc.answered:
             raise
-        logger.info("a kept-alive connection to %s was closed under a request (%s); "
+        logger.debug("a kept-alive connection to %s was closed under a request (%s); "
                     "writing it again", base, exc)
     return await pool.post(base, path, raw, headers, fresh=True)
 
@@ -203,6 +202,9 @@ async def _relay(upstream: UpstreamResponse, exchange: Exchange,
         async for chunk in upstream:
             exchange.on_chunk(chunk)
             yield chunk
+    except asyncio.CancelledError:  # the client left while the worker was generating
+        exchange.status = CLIENT_CLOSED
+        raise
     except UpstreamError as exc:  # headers are sent: an error event
         logger.warning("stream from %s broke: %s: %s", exchange.endpoint.url,
                        type(exc).__name__, exc)
