@@ -46,6 +46,15 @@ def test_silu_and_mul_is_swiglus_gate():
         torch.ops.sluice.silu_and_mul(x[:, :5])
 
 
+def test_silu_and_mul_at_the_extremes_and_past_the_vector_width():
+    """17 values: one AVX-512 vector and a tail; exp16 saturates both ways, NaN stays NaN."""
+    gate = torch.tensor([-1e4, -100.0, -88.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.5, 100.0, 1e4,
+                         float("inf"), float("-inf"), float("nan"), 3.0, -3.0, 0.5])
+    up = torch.linspace(-2.0, 2.0, 17)
+    got = torch.ops.sluice.silu_and_mul(torch.cat([gate, up])[None])[0]
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=0.0, equal_nan=True)
+
+
 def test_rotary_rotates_q_and_k_heads_in_place_and_leaves_v():
     torch.manual_seed(0)
     heads, kv, d = 9, 3, 64

@@ -70,57 +70,57 @@ def test_int8_linear_close_to_fp32_linear(fp32, int8, rows):
 
 
 @pytest.mark.parametrize("rows, k, n", [(1, 576, 960), (3, 576, 8), (5, 96, 36), (31, 1536, 64),
-                                         (47, 64, 8), (0, 64, 8)])
-def test_native_int8_kernel_equals_the_dequantized_matmul(rows, k, n, monkeypatch):
-    """csrc/int8_linear.cpp over weights packed in tiles, below 48 rows: y = (x @ Q.T) *
-    scale in fp32, as the fallback computes it, up to summation order; x rows off its 4-row
-    blocks, and none."""
-    if not kernels.available(torch.device("cpu")):
-        pytest.skip("the native kernels did not build here (see the warning logged)")
-    torch.manual_seed(0)
-    qlinear = quant.Int8Linear.from_linear(nn.Linear(k, n, bias=False))
-    q = qlinear.rows()
-    assert qlinear.packed and qlinear.weight.shape == (n // 4, k // 16, 4, 16)
-    assert q.shape == (n, k) and torch.equal(quant.pack_tiles(q), qlinear.weight)
-    x = torch.randn(rows, k)
-    reference = (x.double() @ q.double().T) * qlinear.scales.double()
-    y = torch.ops.sluice.int8_linear(x, qlinear.weight, qlinear.scales)
-    assert y.shape == (rows, n) and y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(qlinear(x), y, rtol=0, atol=0)  # what Int8Linear runs
-    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
-        torch.ops.sluice.int8_linear(x.double(), qlinear.weight, qlinear.scales)
-    with pytest.raises(RuntimeError, match="packed in tiles"):
-        torch.ops.sluice.int8_linear(x, q, qlinear.scales)
-    # the kernels gone (SLUICE_NATIVE_KERNELS=0 elsewhere): aten's kernel on the unpacked rows
-    monkeypatch.setattr(kernels, "available_for", lambda x: False)
-    if rows:
-        assert (qlinear(x) - y).norm() / y.norm() < 0.01
-
-
-@pytest.mark.parametrize("rows, k, n", [(48, 576, 1536), (129, 1536, 64), (64, 32, 4)])
-def test_native_int8_kernel_from_48_rows_is_the_matmul_of_rows_rounded_to_two_digits(rows, k, n):
-    """From 48 rows csrc/int8_linear.cpp rounds each row of x to two int8 digits (per row:
-    two_digit_rows with one block) and is then exact in integers: y = (rounded x @ Q.T) *
-    scale up to fp32 rounding; a zero row (scale 0) gives 0; and x's error, at most
-    max|x[m]| / (127 * 512) a value, bounds y's by that times sum_k |W[n, k]|."""
+                                         (47, 64, 8), (0, 64, 8), (48, 576, 1536),
+                                         (129, 1536, 64), (64, 32, 4)])
+def test_native_int8_kernel_is_the_matmul_of_rows_rounded_to_two_digits(rows, k, n, monkeypatch):
+    """csrc/int8_linear.cpp over weights packed in tiles rounds each row of x to two int8
+    digits (per row: two_digit_rows with one block) and is then exact in integers, below 48
+    rows (the tile loop) as from 48 (the GEMM): y = (rounded x @ Q.T) * scale up to fp32
+    rounding; a zero row (scale 0) gives 0; and x's error, at most max|x[m]| / (127 * 512)
+    a value, bounds y's by that times sum_k |W[n, k]|."""
     if not kernels.available(torch.device("cpu")):
         pytest.skip("the native kernels did not build here (see the warning logged)")
     torch.manual_seed(0)
     qlinear = quant.Int8Linear.from_linear(nn.Linear(k, n, bias=True))
+    assert qlinear.packed and qlinear.weight.shape == (n // 4, k // 16, 4, 16)
+    assert torch.equal(quant.pack_tiles(qlinear.rows()), qlinear.weight)
     q, scales = qlinear.rows().double(), qlinear.scales.double()
     x = torch.randn(rows, k) * torch.logspace(-3, 3, rows)[:, None]  # rows of any magnitude
-    x[7] = 0.0
+    if rows > 7:
+        x[7] = 0.0
     y = qlinear(x)
     assert y.shape == (rows, n) and y.dtype == torch.float32
+    if not rows:
+        return
     rounded = two_digit_rows(x, block=k).double()
     assert not torch.equal(rounded, x.double())
     torch.testing.assert_close(y.double(), (rounded @ q.T) * scales + qlinear.bias.double(),
                                rtol=1e-5, atol=1e-5 * y.abs().max().item())
-    assert torch.equal(y[7], qlinear.bias)
+    if rows > 7:
+        assert torch.equal(y[7], qlinear.bias)
     err = (y.double() - (x.double() @ q.T) * scales - qlinear.bias.double()).abs()
     bound = x.double().abs().amax(1, keepdim=True) / (127 * 512) * (q.abs().sum(1) * scales)
     assert err.max() > 0 and (err <= 1.01 * bound + 1e-6 * y.abs().double()).all()
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D float32"):
+        torch.ops.sluice.int8_linear(x.double(), qlinear.weight, qlinear.scales)
+    with pytest.raises(RuntimeError, match="packed in tiles"):
+        torch.ops.sluice.int8_linear(x, qlinear.rows(), qlinear.scales)
+    # the kernels gone (SLUICE_NATIVE_KERNELS=0 elsewhere): aten's kernel on the unpacked rows
+    monkeypatch.setattr(kernels, "available_for", lambda x: False)
+    assert (qlinear(x) - y).norm() / y.norm() < 0.01
+
+
+def test_native_int8_kernel_is_batch_invariant():
+    """The tile loop (below 48 rows) and the GEMM (from 48) multiply the same integers and
+    scale them alike: a row's output is the same to the bit alone or in any batch."""
+    if not kernels.available(torch.device("cpu")):
+        pytest.skip("the native kernels did not build here (see the warning logged)")
+    torch.manual_seed(0)
+    qlinear = quant.Int8Linear.from_linear(nn.Linear(576, 960, bias=False))
+    x = torch.randn(96, 576)
+    alone = torch.cat([qlinear(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 5, 47, 48, 49, 96):
+        assert torch.equal(qlinear(x[:rows]), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("rows, k, n", [(5, 100, 33), (2, 17, 4), (3, 64, 6)])

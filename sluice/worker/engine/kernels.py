@@ -37,7 +37,7 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_decode.cpp", "int8_linear.cpp", "int4_linear.cpp",
                              "decode_ops.cpp", "decode_step.cpp"))
 HEADERS = tuple(Path(__file__).with_name("csrc") / name  # in the build key too
-                for name in ("ops.h", "row_blocks.h"))
+                for name in ("ops.h", "row_blocks.h", "vec_exp.h"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # A build holds torch's lock file (``lock`` in its folder) for ~20 s here; one older than
 # this is a build that was killed, and would make every later worker wait for it forever.

@@ -17,7 +17,8 @@ Quantization, per output row n of a weight W [N, K]::
 Symmetric (no zero point), round-to-nearest, no calibration data. The rounding error of a
 weight is at most scale[n] / 2, about 1/254 of its row's largest magnitude. LLM.int8()
 (Dettmers et al. 2022) traced what breaks 8-bit inference to outlier features in the
-*activations*, which is why they stay in floating point here. Measured on SmolLM2-135M
+*activations*, which is why they are not rounded to 8 bits here (the native kernel keeps
+two int8 digits a value, ~16 bits, see Kernels). Measured on SmolLM2-135M
 (bench/quant.py): perplexity 22.25 fp32 → 22.36 int8 weight-only, while W8A8 with per-tensor
 dynamic activation quantization (fbgemm's dynamic Linear) gives 60.
 
@@ -25,14 +26,12 @@ Kernels:
 
 - fp32 activations on CPU, any row count: Sluice's ``torch.ops.sluice.int8_linear(x [M, K]
   fp32, q packed [N / 4, K / 16, 4, 16] int8, scales [N] fp32) -> [M, N]``
-  (``csrc/int8_linear.cpp``, built by ``kernels``). Below 48 rows (decode steps): exact
-  int8 → fp32 conversion and fp32 accumulation in AVX-512 registers, over weights packed in
-  4-row tiles (``pack_tiles``) that it reads as one stream. Over SmolLM2's 121 weight
-  matrices (~135 MB, past every cache): 4.4 ms a step on 2 threads (30 GB/s), where aten's
-  kernel below took ~10.5 ms; batch-1 decode ITL 17.9 → 8.5-9.1 ms with the fused decode
-  ops (``models/llama.py``). From 48 rows (prefill chunks, large batches): x's rows rounded
-  to two int8 digits (~16 bits) and an int8 GEMM (oneDNN, VNNI), 1.3-2.3x faster than the
-  fp32 matmul; perplexity 22.362 against the decode kernel's 22.363 (bench/quant.py).
+  (``csrc/int8_linear.cpp``, built by ``kernels``): each row of x rounded to two int8
+  digits (~16 bits), then exact integer dot products (AVX-512 VNNI) scaled back;
+  perplexity 22.362 against 22.363 with x kept in fp32 (bench/quant.py). Below 48 rows
+  (decode steps) over weights packed in 4-row tiles (``pack_tiles``) that it reads as one
+  stream; from 48 rows (prefill chunks, large batches) as one int8 GEMM (oneDNN), 1.3-2.3x
+  faster than the fp32 matmul. Both give a row the same bits in any batch.
 - Without the native kernels (``SLUICE_NATIVE_KERNELS=0``, a failed build), or for bfloat16
   activations (measured on this AVX-512 CPU without AMX, torch 2.13, 1 thread):
   ``torch.ops.aten._weight_int8pack_mm(x [M, K], q [N, K] int8, scales [N]) -> [M, N]``

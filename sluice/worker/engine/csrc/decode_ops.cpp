@@ -6,8 +6,9 @@
 //   add_rms_norm_(x, residual, weight, eps): residual += x; x = weight * (residual *
 //       rsqrt(mean(residual^2) + eps)): vLLM's fused_add_rms_norm (RMSNorm: Zhang &
 //       Sennrich 2019), x and residual [T, H] updated in place.
-//   silu_and_mul(x [T, 2I]) -> [T, I]: silu(x[:, :I]) * x[:, I:] (SwiGLU, Shazeer 2020), by
-//       ATen's kernels without the Python calls between them.
+//   silu_and_mul(x [T, 2I]) -> [T, I]: silu(x[:, :I]) * x[:, I:] (SwiGLU, Shazeer 2020);
+//       silu(g) = g / (1 + exp(-g)) with exp16 (vec_exp.h, ~2 ulp) under AVX-512: 1,536
+//       values in well under a microsecond, where at::silu and mul_ took ~8 us a call.
 //   rotary_(x, cos, sin, heads, head_dim): the first heads * head_dim columns of x [T, C]
 //       rotated in place, rotate-half layout (RoPE, Su et al. 2021): for each head,
 //       x1' = x1 * cos1 - x2 * sin1 and x2' = x2 * cos2 + x1 * sin2, cos/sin [T, head_dim].
@@ -17,6 +18,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "vec_exp.h"
 
 #include <cmath>
 
@@ -26,6 +28,21 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.scalar_type() == at::kFloat &&
                   t.stride(1) == 1,
               name, " must be a 2-D float32 CPU tensor with contiguous rows");
+}
+
+// y[i] = silu(gate[i]) * up[i] for i < n.
+inline void silu_mul_row(const float* gate, const float* up, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = sluice::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
+                                          _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) y[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
 }  // namespace
@@ -65,9 +82,14 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul: x");
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: x must have an even number of columns");
-  const int64_t I = x.size(1) / 2;
-  // ATen's vectorized silu (a scalar std::exp loop here took 16 us for 1,536 values)
-  return at::silu(x.narrow(1, 0, I)).mul_(x.narrow(1, I, I));
+  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  at::Tensor y = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(xp + t * xs, xp + t * xs + I, yp + t * I, I);
+  });
+  return y;
 }
 
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,

@@ -23,6 +23,7 @@
 
 #include "ops.h"
 
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -40,6 +41,20 @@ at::Tensor linear(const Weights& weights, size_t i, const at::Tensor& x) {
                      : sluice::int8_linear(x.contiguous(), w, weights[i + 1].value());
   if (weights[i + 2]) y.add_(*weights[i + 2]);
   return y;
+}
+
+// This step's K and V rows of qkv [T, C] (at k_off and k_off + kv_size of each row) written
+// to their cache slots (slot_mapping [T]); what index_copy_ writes, without its dispatch.
+void write_kv(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const int64_t* slots, int64_t k_off, int64_t kv_size) {
+  const int64_t T = qkv.size(0), C = qkv.stride(0);
+  const float* src = qkv.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kc + slots[t] * kv_size, src + t * C + k_off, kv_size * sizeof(float));
+    std::memcpy(vc + slots[t] * kv_size, src + t * C + k_off + kv_size, kv_size * sizeof(float));
+  }
 }
 
 }  // namespace
@@ -62,6 +77,21 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
               "decode_layers: x must be a contiguous [T, H] float32 tensor");
   const int64_t T = x.size(0), H = x.size(1);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == T,
+              "decode_layers: slot_mapping must be a contiguous int64 [T] tensor");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (size_t l = 0; l < layers; ++l)
+    TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
+                    k_caches[l].scalar_type() == at::kFloat &&
+                    v_caches[l].scalar_type() == at::kFloat &&
+                    k_caches[l].numel() % kv_size == 0 && v_caches[l].numel() == k_caches[l].numel(),
+                "decode_layers: caches must be contiguous float32 [blocks, block_size, kv_heads, "
+                "head_dim]");
+  const int64_t cache_slots = k_caches[0].numel() / kv_size;
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < cache_slots, "decode_layers: slot ", slots[t],
+                " is outside the cache's ", cache_slots, " slots");
   at::Tensor residual = x, hidden;
   for (size_t l = 0; l < layers; ++l) {
     const size_t w = l * kLayerEntries;
@@ -71,11 +101,8 @@ at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& 
       add_rms_norm_(hidden, residual, weights[w].value(), eps);
     const at::Tensor qkv = linear(weights, w + 1, hidden);
     rotary_(qkv, cos, sin, heads + kv_heads, head_dim);  // q and k side by side
+    write_kv(qkv, k_caches[l], v_caches[l], slots, q_size, kv_size);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, kv_heads, head_dim});
-    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, kv_heads, head_dim});
-    k_caches[l].view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k);
-    v_caches[l].view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v);
     const at::Tensor o =
         paged_decode(q, k_caches[l], v_caches[l], block_tables, context_lens, scale);
     hidden = linear(weights, w + 4, o.reshape({T, q_size}));

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "vec_exp.h"
 
 #include <algorithm>
 #include <cmath>
@@ -100,25 +101,6 @@ void paged_decode_kernel(const T* q, const T* k, const T* v, const int64_t* tabl
 }
 
 #ifdef __AVX512F__
-// exp(x) in 16 lanes, for x <= 0 (scores less their running max): Cephes' expf, i.e.
-// x = n ln2 + r with ln2 in two parts, a degree-5 polynomial for e^r, 2^n put back by
-// scalef; within ~2 ulp of std::exp, and 0 (not garbage) far below -88.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // The same algorithm for fp32 caches in blocks of 16 tokens and heads of D = 16 C: a
 // query head's C-register row and its C accumulators stay in AVX-512 registers while it
 // runs over a block's keys (one dot product each), the block's 16 scores are one register
@@ -175,7 +157,7 @@ void paged_decode_fp32_avx512(const float* q, const float* k, const float* v,
               m[hq] = block_max;
             }
             const __m512 e =
-                _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[hq]))));
+                _mm512_maskz_mov_ps(live, sluice::exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m[hq]))));
             l[hq] += _mm512_reduce_add_ps(e);
             _mm512_store_ps(s, e);
             for (int64_t j = 0; j < n; ++j) {
