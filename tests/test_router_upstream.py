@@ -127,27 +127,12 @@ def test_an_interim_100_continue_is_skipped():
     run(main())
 
 
-def test_a_body_without_length_ends_with_the_connection_and_is_not_pooled():
-    async def until_close(reader, writer, n):
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nall of it")
-        return "close"
-
-    async def main():
-        server = Server(until_close)
-        async with server as base:
-            pool = Upstream(5, 5, 4)
-            for _ in range(2):
-                response = await pool.post(base, "/", BODY, {})
-                assert await response.read() == b"all of it"
-                response.release()
-            assert server.connections == 2
-            await pool.close()
-    run(main())
-
-
-def test_connection_close_is_not_pooled():
+@pytest.mark.parametrize("head, body", [
+    (b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n", b"all of it"),  # ends at close
+    (b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 3\r\n\r\n", b"bye")])
+def test_an_answer_that_ends_the_connection_is_not_pooled(head, body):
     async def closing(reader, writer, n):
-        writer.write(answer(b"bye", extra="connection: close\r\n"))
+        writer.write(head + body)
         return "close"
 
     async def main():
@@ -156,7 +141,7 @@ def test_connection_close_is_not_pooled():
             pool = Upstream(5, 5, 4)
             for _ in range(2):
                 response = await pool.post(base, "/", BODY, {})
-                assert await response.read() == b"bye"
+                assert await response.read() == body
                 response.release()
             assert server.connections == 2
             assert not pool._idle.get(base)
