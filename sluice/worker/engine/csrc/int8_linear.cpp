@@ -84,15 +84,17 @@ inline float from_digits(int32_t a1, int32_t a2, float dx, float scale) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 // y[m0 .. m0 + MB)[n0 .. n0 + 4) from the tile at q (4 * K bytes). A 64-byte chunk holds 16
 // columns of the 4 rows; vpdpbusd multiplies it by x's 16 digits broadcast to the 4 rows
-// (as unsigned bytes, digit + 128: its left operand is unsigned) and adds each 4 products
-// to one 32-bit lane, so lane 4r + j sums row r's columns 4j .. 4j + 3. 128 * sum(q) is
-// taken back off at the end (the same vpdpbusd on bytes of 1 counts it).
+// (as unsigned bytes, digit + 128, i.e. its sign bit flipped: vpdpbusd's left operand is
+// unsigned) and adds each 4 products to one 32-bit lane, so lane 4r + j sums row r's
+// columns 4j .. 4j + 3. 128 * sum(q) is taken back off at the end (the same vpdpbusd on
+// bytes of 1 counts it). digits: [2][M][K], x's first digits then its second.
 template <int MB>
-inline void tile(const uint8_t* xu, const int8_t* q, const float* scale, const float* dx,
-                 float* y, int64_t K, int64_t N, int64_t n0, int64_t m0) {
+inline void tile(const int8_t* digits, const int8_t* q, const float* scale, const float* dx,
+                 float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t m0) {
   __m512i acc[MB][2];
   __m512i wsum = _mm512_setzero_si512();
   const __m512i ones = _mm512_set1_epi8(1);
+  const __m128i sign = _mm_set1_epi8(static_cast<char>(0x80));
   for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
   for (int64_t k = 0; k < K; k += kChunk) {
     const int8_t* chunk = q + k * kTileRows;
@@ -101,8 +103,9 @@ inline void tile(const uint8_t* xu, const int8_t* q, const float* scale, const f
     wsum = _mm512_dpbusd_epi32(wsum, ones, w);
     for (int i = 0; i < MB; ++i)
       for (int d = 0; d < 2; ++d) {
-        const __m512i xv = _mm512_broadcast_i32x4(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(xu + ((m0 + i) * 2 + d) * K + k)));
+        const __m512i xv = _mm512_broadcast_i32x4(_mm_xor_si128(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(digits + (d * M + m0 + i) * K + k)),
+            sign));
         acc[i][d] = _mm512_dpbusd_epi32(acc[i][d], xv, w);
       }
   }
@@ -159,24 +162,18 @@ at::Tensor tile_loop(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int64_t M = x.size(0), K = x.size(1), N = scales.numel();
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  std::vector<int8_t> hi(M * K), lo(M * K);
+  std::vector<int8_t> digits(2 * M * K);  // [2][M][K], as two_digit_gemm's
   std::vector<float> dx(M);
-  round_rows(x.data_ptr<float>(), M, K, hi.data(), lo.data(), dx.data());
+  round_rows(x.data_ptr<float>(), M, K, digits.data(), digits.data() + M * K, dx.data());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-  std::vector<uint8_t> xu(M * 2 * K);  // [M][2][K], digit + 128
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      xu[(m * 2) * K + k] = static_cast<uint8_t>(hi[m * K + k] + 128);
-      xu[(m * 2 + 1) * K + k] = static_cast<uint8_t>(lo[m * K + k] + 128);
-    }
   at::parallel_for(0, N / kTileRows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for_row_blocks(M, [&](auto mb, int64_t m0) {
-        tile<decltype(mb)::value>(xu.data(), qp + t * kTileRows * K, sp, dx.data(), yp, K, N,
-                                  t * kTileRows, m0);
+        tile<decltype(mb)::value>(digits.data(), qp + t * kTileRows * K, sp, dx.data(), yp,
+                                  M, K, N, t * kTileRows, m0);
       });
   });
 #else  // the same integers, summed by a plain loop
@@ -188,8 +185,8 @@ at::Tensor tile_loop(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
           for (int64_t k = 0; k < K; k += kChunk) {
             const int8_t* chunk = qp + t * kTileRows * K + k * kTileRows + r * kChunk;
             for (int64_t j = 0; j < kChunk; ++j) {
-              a1 += int32_t{hi[m * K + k + j]} * chunk[j];
-              a2 += int32_t{lo[m * K + k + j]} * chunk[j];
+              a1 += int32_t{digits[m * K + k + j]} * chunk[j];
+              a2 += int32_t{digits[(M + m) * K + k + j]} * chunk[j];
             }
           }
           yp[m * N + t * kTileRows + r] = from_digits(a1, a2, dx[m], sp[t * kTileRows + r]);
