@@ -51,7 +51,7 @@ constexpr int64_t kTileRows = 4;                     // weight rows per tile
 constexpr int64_t kBlock = 32;                       // weights per (d, m) block
 constexpr int64_t kNibbleBytes = kTileRows * 16;     // 4 rows x 32 nibbles
 constexpr int64_t kBlockBytes = kNibbleBytes + kTileRows * 4;  // + 4 (d, m) float16 pairs
-constexpr int64_t kPrefetch = 640;                   // bytes ahead in the tile's stream
+constexpr int64_t kPrefetch = 50 * kBlockBytes;      // bytes ahead in the stream: int8_linear's
 
 // x [M, K] in blocks of 32, two int8 digits each: q and r [M, K], d and s [M, K / 32].
 struct Q8Rows {
