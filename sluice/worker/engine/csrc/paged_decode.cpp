@@ -9,6 +9,9 @@
 // order, each by the G = H_q / H_kv query heads that share its KV head (GQA). A work item
 // per (sequence, KV head) read each block H_kv times in strides and ran ~1.7x slower at
 // B = 64 here, where the pool does not fit in cache; at B = 1 it gave more parallelism.
+// So the AVX-512 version below splits a sequence by KV head only when the batch is smaller
+// than the thread count (batch-1 decode: every thread gets heads), each head's arithmetic
+// the same either way.
 //
 // fp32 caches in blocks of 16 with heads of 64 or 128 (SmolLM2, Qwen2.5, Llama) take an
 // AVX-512 version (paged_decode_fp32_avx512: scores a block at a time in one register,
@@ -113,10 +116,14 @@ void paged_decode_fp32_avx512(const float* q, const float* k, const float* v,
                               int64_t max_blocks, float scale) {
   constexpr int64_t D = 16 * C, bs = 16;
   const int64_t group = heads_q / heads_kv, block_elems = bs * heads_kv * D;
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  // work items per sequence: its KV heads one by one when there are fewer sequences than
+  // threads, else the whole sequence
+  const int64_t split = batch < at::get_num_threads() ? heads_kv : 1, span = heads_kv / split;
+  at::parallel_for(0, batch * split, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(heads_q * D), m(heads_q), l(heads_q);
     alignas(64) float s[bs];
-    for (int64_t b = begin; b < end; ++b) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / split, h0 = item % split * span, h1 = h0 + span;
       const int64_t ctx = lens[b];
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -125,14 +132,15 @@ void paged_decode_fp32_avx512(const float* q, const float* k, const float* v,
         const int64_t n = std::min(bs, ctx - t0);
         const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
         const int64_t offset = tables[b * max_blocks + t0 / bs] * block_elems;
-        if (t0 + bs < ctx) {  // the next block lies elsewhere in the pool: fetch it meanwhile
+        if (t0 + bs < ctx) {  // the next block lies elsewhere in the pool: fetch its rows meanwhile
           const int64_t next = tables[b * max_blocks + t0 / bs + 1] * block_elems;
-          for (int64_t i = 0; i < block_elems; i += 16) {
-            _mm_prefetch(reinterpret_cast<const char*>(k + next + i), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(v + next + i), _MM_HINT_T1);
-          }
+          for (int64_t j = 0; j < bs; ++j)
+            for (int64_t i = (j * heads_kv + h0) * D; i < (j * heads_kv + h1) * D; i += 16) {
+              _mm_prefetch(reinterpret_cast<const char*>(k + next + i), _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(v + next + i), _MM_HINT_T1);
+            }
         }
-        for (int64_t h = 0; h < heads_kv; ++h) {
+        for (int64_t h = h0; h < h1; ++h) {
           const float* kb = k + offset + h * D;  // key j's row at kb + j * H_kv * D
           const float* vb = v + offset + h * D;
           for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
@@ -169,7 +177,7 @@ void paged_decode_fp32_avx512(const float* q, const float* k, const float* v,
           }
         }
       }
-      for (int64_t hq = 0; hq < heads_q; ++hq)
+      for (int64_t hq = h0 * group; hq < h1 * group; ++hq)
         for (int64_t i = 0; i < D; ++i) out[(b * heads_q + hq) * D + i] = acc[hq * D + i] / l[hq];
     }
   });
