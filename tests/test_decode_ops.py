@@ -83,6 +83,25 @@ def greedy_with_logprobs(engine: LLMEngine, prompts: list[str]) -> list[list[tup
     return [got[str(i)] for i in range(len(prompts))]
 
 
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 33, 49152, 49155])
+def test_argmax_rows_is_torch_argmax_with_its_ties_and_nans(width):
+    """First index of the maximum in each row, as torch.argmax: ties (rounded values), a
+    NaN (it wins, the first one), a row of -inf (index 0), +inf, strided rows."""
+    torch.manual_seed(width)
+    x = (torch.randn(6, width + 5) * 3).round()[:, 2:2 + width]  # strided rows, many ties
+    x[1, width // 2] = float("nan")
+    x[1, width - 1] = float("nan")
+    x[2] = float("-inf")
+    x[3, width - 1] = float("inf")
+    x[4, 0] = float("nan")
+    want = x.argmax(dim=-1).tolist()
+    assert want[1] == width // 2 and want[2] == 0 and want[4] == 0
+    assert torch.ops.sluice.argmax_rows(x).tolist() == want
+    assert torch.ops.sluice.argmax_rows(x[:0]).tolist() == []
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.sluice.argmax_rows(x.double())
+
+
 def test_the_model_with_fused_ops_equals_its_plain_pytorch_path(model_path, monkeypatch):
     """Batched prefill and decode through every fused op (residual stream, RoPE, SwiGLU,
     the pure-decode attention path) and through the PyTorch ops they replace."""

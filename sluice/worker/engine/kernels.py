@@ -6,6 +6,7 @@ one library that registers ``torch.ops.sluice.*``:
 - ``int8_linear(x, q, scales)`` and ``int4_linear(x, w, N)``: the int8 and 4-bit weight
   matmuls (``quant.Int8Linear``, ``quant.Int4Linear``), at any row count;
 - ``add_rms_norm_``, ``silu_and_mul``, ``rotary_``: the small ops between a layer's matmuls;
+- ``argmax_rows(x)``: each row's greedy token (``sampler.argmax``);
 - ``decode_layers(...)``: a whole decode step's layers in one call, for models whose
   linears all run those kernels (``LlamaForCausalLM.fuse_decode_step``).
 

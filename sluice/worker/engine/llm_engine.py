@@ -212,8 +212,9 @@ class LLMEngine:
         chosen: dict[Sequence, list[int]] = {}
         plain = [(seq, row) for seq, row in samplers if not seq.spec_token_ids]
         if plain:
-            tokens = sample(logits[[row for _, row in plain]], [s.params for s, _ in plain],
-                            [s.generator for s, _ in plain])
+            rows = [row for _, row in plain]  # all of logits' rows in order: used as it is
+            picked = logits if rows == list(range(len(logits))) else logits[rows]
+            tokens = sample(picked, [s.params for s, _ in plain], [s.generator for s, _ in plain])
             for (seq, _), token in zip(plain, tokens):
                 if isinstance(token, Exception):
                     failed[seq] = token

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from sluice.worker.engine import kernels
 from sluice.worker.engine.outputs import TokenLogprob
 from sluice.worker.engine.sampling_params import SamplingParams
+
+
+def argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's greedy token: ``logits`` [N, vocab] → N ids, the first maximum of each row
+    (a NaN counting as the maximum), as ``torch.argmax``. fp32 CPU rows go through the native
+    ``argmax_rows`` where it is built: ``torch.argmax`` took ~100 us a row of 49,152 on this
+    CPU (4 ms for 64 rows, every decode step), the kernel ~10 us."""
+    if logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1 \
+            and kernels.available_for(logits):
+        return torch.ops.sluice.argmax_rows(logits).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -22,7 +34,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         A row whose own sampling raised holds the exception instead, so that one request's
         bad parameters fail that request only, not the rest of the batch.
     """
-    tokens: list[int | Exception] = logits.argmax(dim=-1).tolist()
+    tokens: list[int | Exception] = argmax(logits)
     rows, probs = [], []
     for row, p in enumerate(params):
         if not p.greedy:

@@ -25,7 +25,7 @@ import torch
 
 from sluice.worker.engine.block_manager import BlockManager
 from sluice.worker.engine.model_runner import ModelRunner
-from sluice.worker.engine.sampler import draw, processed_probs
+from sluice.worker.engine.sampler import argmax, draw, processed_probs
 from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.engine.sequence import Sequence
 
@@ -101,7 +101,7 @@ class DraftModelProposer:
             rows.append(sum(len(tokens) for tokens, _, _ in batch) - 1)
             active.append((seq, k))
         while active:
-            next_tokens = self.runner.execute(batch, rows).argmax(dim=-1).tolist()
+            next_tokens = argmax(self.runner.execute(batch, rows))
             for (seq, _), token in zip(active, next_tokens):
                 seq.spec_token_ids.append(token)
                 seq.num_draft_computed = seq.num_tokens + len(seq.spec_token_ids) - 1
@@ -126,7 +126,7 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
         1..k + 1 tokens: the accepted drafts followed by the corrected or bonus token.
     """
     if params.greedy:
-        best = logits.argmax(dim=-1).tolist()
+        best = argmax(logits)
         out = []
         for i, draft in enumerate(drafts):
             if draft != best[i]:

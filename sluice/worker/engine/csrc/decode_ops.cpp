@@ -12,6 +12,10 @@
 //   rotary_(x, cos, sin, heads, head_dim): the first heads * head_dim columns of x [T, C]
 //       rotated in place, rotate-half layout (RoPE, Su et al. 2021): for each head,
 //       x1' = x1 * cos1 - x2 * sin1 and x2' = x2 * cos2 + x1 * sin2, cos/sin [T, head_dim].
+//   argmax_rows(x [N, V]) -> int64 [N]: each row's first index of its maximum, a NaN
+//       counting as the maximum (torch.argmax's answer). The greedy token of every row of
+//       a step's logits: at::argmax took ~100 us a row of 49,152 here (4 ms for 64 rows),
+//       this a few us.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,9 +49,63 @@ inline void silu_mul_row(const float* gate, const float* up, float* y, int64_t n
   for (; i < n; ++i) y[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
+// The first index of row x[0 .. n)'s maximum; of its first NaN if it has one.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float top = n > 0 ? x[0] : 0.f;
+#ifdef __AVX512F__
+  if (n >= 16) {  // per lane: its maximum and the first index where it occurs
+    __m512 vmax = _mm512_loadu_ps(x);
+    __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i idx = vidx;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      idx = _mm512_add_epi32(idx, step);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+      vmax = _mm512_mask_mov_ps(vmax, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, idx);
+    }
+    if (nan) {  // rare: a scan for the first NaN
+      for (int64_t j = 0; j < n; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    alignas(64) float vals[16];
+    alignas(64) int32_t ids[16];
+    _mm512_store_ps(vals, vmax);
+    _mm512_store_epi32(ids, vidx);
+    top = vals[0];
+    best = ids[0];
+    for (int j = 1; j < 16; ++j)
+      if (vals[j] > top || (vals[j] == top && ids[j] < best)) top = vals[j], best = ids[j];
+  }
+#endif
+  for (; i < n; ++i) {  // the tail (all of a row under 16 values), none of it seen yet
+    if (std::isnan(x[i])) return i;
+    if (x[i] > top) top = x[i], best = i;
+  }
+  return best;
+}
+
 }  // namespace
 
 namespace sluice {
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "argmax_rows: x");
+  TORCH_CHECK(x.size(0) == 0 || x.size(1) > 0, "argmax_rows: rows must not be empty");
+  const int64_t N = x.size(0), V = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(V < (int64_t{1} << 31), "argmax_rows: rows of at most 2^31 - 1 values");
+  at::Tensor out = at::empty({N}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * xs, V);
+  });
+  return out;
+}
 
 void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm_: x");
@@ -129,10 +187,12 @@ TORCH_LIBRARY_FRAGMENT(sluice, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice, CPU, m) {
   m.impl("add_rms_norm_", &sluice::add_rms_norm_);
   m.impl("silu_and_mul", &sluice::silu_and_mul);
   m.impl("rotary_", &sluice::rotary_);
+  m.impl("argmax_rows", &sluice::argmax_rows);
 }

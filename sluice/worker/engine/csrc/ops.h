@@ -20,5 +20,6 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, 
 at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
              int64_t head_dim);
+at::Tensor argmax_rows(const at::Tensor& x);
 
 }  // namespace sluice
