@@ -94,6 +94,8 @@ def test_kernel_takes_int32_tables_and_rejects_bad_ones(kernel):
         kernel(q, k_cache, v_cache, tables + NUM_BLOCKS, context_lens, 0.125)
     with pytest.raises(RuntimeError, match="context length out of range"):
         kernel(q, k_cache, v_cache, tables, context_lens * 10, 0.125)
+    with pytest.raises(RuntimeError, match="head shapes do not match"):  # was SIGFPE (x % 0)
+        kernel(q, k_cache[:, :, :0], v_cache[:, :, :0], tables, context_lens, 0.125)
 
 
 def test_decode_attention_uses_the_kernel_on_cpu_and_sdpa_without_it(kernel, monkeypatch):

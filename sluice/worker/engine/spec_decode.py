@@ -16,7 +16,11 @@ min(1, p_i(x) / q_i(x)); the n-gram proposer is deterministic (q_i is one-hot on
 is p_i(x). At the first rejection a token is drawn from norm(max(0, p_i - q_i)) = p_i with x
 removed; if all k are accepted a bonus token is drawn from p_k. The output is distributed
 exactly as the target's. With temperature 0 this reduces to: accept while the draft equals
-the argmax, then take the argmax.
+the argmax, then take the argmax. The verify pass runs the k + 1 tokens as a prefill chunk
+(its attention and norms, not the decode step's kernels), so its logits match plain
+decode's to ~1e-7 in fp32 but not to the bit: with int8 weights, whose rounding of x to two
+digits carries such a difference on (~1e-3 in a logprob), a near tie can fall the other way
+than in plain decode (a break-it pass saw it on 1 of 5 prompts, at a 2e-4 tie).
 """
 
 from __future__ import annotations

@@ -198,7 +198,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: caches must be contiguous");
   const int64_t batch = q.size(0), heads_q = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), heads_kv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && heads_q % heads_kv == 0, "paged_decode: head shapes do not match");
+  TORCH_CHECK(k_cache.size(3) == D && heads_kv > 0 && heads_q % heads_kv == 0,
+              "paged_decode: head shapes do not match");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch && context_lens.numel() == batch,
               "paged_decode: block_tables [B, max_blocks] and context_lens [B]");
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
