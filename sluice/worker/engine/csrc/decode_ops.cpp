@@ -15,7 +15,7 @@
 //   argmax_rows(x [N, V]) -> int64 [N]: each row's first index of its maximum, a NaN
 //       counting as the maximum (torch.argmax's answer). The greedy token of every row of
 //       a step's logits: at::argmax took ~100 us a row of 49,152 here (4 ms for 64 rows),
-//       this a few us.
+//       this ~11 us (0.34 ms).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
