@@ -160,7 +160,7 @@ at::Tensor two_digit_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   return y;
 }
 
-// The same y for few rows, streaming the tiles: x's digits [M][2][K] stay in L1 while every
+// The same y for few rows, streaming the tiles: x's digits [2][M][K] stay in L1 while every
 // tile passes once.
 at::Tensor tile_loop(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
   const int64_t M = x.size(0), K = x.size(1), N = scales.numel();
