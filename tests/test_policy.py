@@ -197,35 +197,49 @@ def test_prefix_policy_groups_land_on_distinct_homes_and_are_stable():
 
 # ------------------------------------------------------------------ predictor
 
-def test_rls_learns_a_linear_law_and_keeps_slopes_non_negative():
+def test_rls_learns_a_linear_law_and_keeps_weights_non_negative():
     rng = random.Random(1)
-    model = RLSModel((0.0, 0.0, 0.0, 0.0, 0.0))
-    truth = (0.02, 0.8, 0.005, 0.6, 0.0)
+    model = RLSModel((0.0, 0.0))
+    truth = (0.02, 0.8)
     for _ in range(400):
-        x = (1.0, rng.uniform(0, 4), rng.randrange(0, 32), rng.uniform(0, 2), rng.random())
-        model.update(x, sum(a * b for a, b in zip(truth, x)) * rng.uniform(0.95, 1.05))
-    x = (1.0, 2.0, 8, 0.5, 0.5)
-    assert model.predict(x) == pytest.approx(sum(a * b for a, b in zip(truth, x)), rel=0.1)
-    assert all(w >= 0 for w in model.w)
+        x = rng.uniform(0, 4)
+        model.update(x, (truth[0] + truth[1] * x) * rng.uniform(0.95, 1.05))
+    assert model.predict(2.0) == pytest.approx(truth[0] + truth[1] * 2.0, rel=0.05)
+    assert model.w[1] == pytest.approx(0.8, rel=0.05)
     for _ in range(50):  # adversarial data: more load, faster answers
-        model.update((1.0, 4.0, 30, 2.0, 1.0), 0.0)
-    assert all(w >= 0 for w in model.w) and model.predict(x) >= 0
-    with pytest.raises(ValueError):
-        model.predict((1.0, 2.0))  # a feature vector of another model
+        model.update(4.0, 0.0)
+    assert all(w >= 0 for w in model.w) and model.predict(2.0) >= 0
+    with pytest.raises(ValueError, match="3 prior weights"):
+        RLSModel((0.0, 0.0, 0.0))
+
+
+def test_rls_matches_the_closed_form_least_squares_without_forgetting():
+    """λ = 1 and a wide prior: RLS is ordinary least squares (the prior's pull vanishes)."""
+    rng = random.Random(2)
+    model = RLSModel((0.0, 0.0), forgetting=1.0, prior_variance=1e6, max_trace=1e9)
+    xs = [rng.uniform(0, 10) for _ in range(200)]
+    ys = [0.3 + 0.05 * x + rng.gauss(0, 0.01) for x in xs]
+    for x, y in zip(xs, ys):
+        model.update(x, y)
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    assert model.w[1] == pytest.approx(slope, rel=1e-4)
+    assert model.w[0] == pytest.approx(my - slope * mx, rel=1e-4)
 
 
 def test_rls_covariance_stays_bounded_without_excitation():
     model = RLSModel((0.1, 0.1), forgetting=0.9, max_trace=100.0)
     for _ in range(5000):
-        model.update((1.0, 0.0), 0.1)  # the second feature never moves
-    assert sum(model.p[i][i] for i in range(2)) <= 100.0 + 1e-9
-    assert model.predict((1.0, 0.0)) == pytest.approx(0.1, rel=1e-3)
+        model.update(0.0, 0.1)  # the feature never moves
+    a, _, c = model.p
+    assert a + c <= 100.0 + 1e-9
+    assert model.predict(0.0) == pytest.approx(0.1, rel=1e-3)
 
 
 def test_rls_ignores_non_finite_observations():
     model = RLSModel((0.1, 0.1))
-    model.update((1.0, math.nan), 1.0)
-    model.update((1.0, 1.0), math.inf)
+    model.update(math.nan, 1.0)
+    model.update(1.0, math.inf)
     assert model.updates == 0 and model.w == [0.1, 0.1]
 
 
