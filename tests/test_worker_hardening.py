@@ -27,6 +27,7 @@ import httpx
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import ClientDisconnect
 
 from conftest import free_port, serve
 from sluice.api import metrics as names
@@ -144,15 +145,17 @@ def asgi(app, method: str, path: str, **kwargs) -> httpx.Response:
 
 
 def test_read_body_stops_reading_past_the_limit():
-    """The shared reader (router and worker) gives up at the first chunk past the limit."""
-    class Request:
-        def __init__(self, headers: dict[str, str]):
-            self.headers, self.read = headers, 0
+    """The shared reader (router and worker) gives up at the first chunk past the limit; a
+    client that leaves mid-body is a ClientDisconnect."""
+    class Request:  # the ASGI receive channel of a 100-chunk body (or one cut after 3)
+        def __init__(self, headers: dict[str, str], cut: bool = False):
+            self.headers, self.read, self.cut = headers, 0, cut
 
-        async def stream(self):
-            for _ in range(100):
-                self.read += 1
-                yield b"x" * 1024
+        async def receive(self):
+            self.read += 1
+            if self.cut and self.read > 3:
+                return {"type": "http.disconnect"}
+            return {"type": "http.request", "body": b"x" * 1024, "more_body": self.read < 100}
 
     request = Request({})
     with pytest.raises(BodyTooLarge):
@@ -162,7 +165,12 @@ def test_read_body_stops_reading_past_the_limit():
     with pytest.raises(BodyTooLarge):
         asyncio.run(read_body(declared, 10 * 1024))
     assert declared.read == 0  # refused on its Content-Length, nothing read
-    assert asyncio.run(read_body(Request({}), 100 * 1024)) == b"x" * 100 * 1024
+    whole = Request({})
+    assert asyncio.run(read_body(whole, 100 * 1024)) == b"x" * 100 * 1024 and whole.read == 100
+    cut = Request({}, cut=True)
+    with pytest.raises(ClientDisconnect):
+        asyncio.run(read_body(cut, 100 * 1024))
+    assert cut.read == 4
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])

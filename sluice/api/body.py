@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.requests import ClientDisconnect
+
 MAX_BODY_BYTES = 16 * 1024 * 1024  # a full context of text is far smaller
 
 
@@ -20,8 +22,11 @@ async def read_body(request: Any, limit: int) -> bytes:
     """The request body, read as it arrives and given up as soon as it passes ``limit``
     bytes (or its ``Content-Length`` says it will).
 
+    Reads the ASGI ``receive`` channel itself (Starlette's ``request.stream()`` is an async
+    generator, a few µs a request on the router's path); the body cannot be read again.
+
     Args:
-        request: a Starlette request (``headers``, ``stream()``).
+        request: a Starlette request (``headers``, ``receive``), its body not read yet.
         limit: the most bytes accepted.
 
     Raises:
@@ -33,12 +38,17 @@ async def read_body(request: Any, limit: int) -> bytes:
         raise BodyTooLarge
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 __all__ = ["MAX_BODY_BYTES", "BodyTooLarge", "read_body"]

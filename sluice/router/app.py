@@ -50,6 +50,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import httpx
@@ -375,6 +376,17 @@ def _count(state: RouterState, model: str | None, response: Response,
 OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")  # POST; the proxy path
 
 
+class ProxyRequest(Request):
+    """The proxy path's request, with its headers as a plain dict built once: names lower
+    case (as ASGI gives them), a repeated name's last value (the one forwarded to the
+    worker). Starlette's ``Headers`` scans and decodes the raw list on every lookup, and the
+    proxy path looks up several (key, objectives, priority, length, the forwarded set)."""
+
+    @cached_property
+    def headers(self) -> dict[str, str]:  # type: ignore[override]
+        return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.scope["headers"]}
+
+
 class RouterApp(FastAPI):
     """The router's app: ``POST`` to an ``OPENAI_ROUTES`` path goes straight to
     ``route_request``; everything else (lifespan, the other routes, their errors) goes
@@ -393,7 +405,7 @@ class RouterApp(FastAPI):
         if path in OPENAI_ROUTES and scope["type"] == "http" and scope["method"] == "POST" \
                 and not scope.get("root_path"):
             scope["app"] = self
-            response = await route_request(Request(scope, receive, send), path)
+            response = await route_request(ProxyRequest(scope, receive, send), path)
             await response(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
@@ -684,6 +696,9 @@ def run(args: argparse.Namespace) -> int:
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.log_level.lower(),
+                                   # (above INFO, uvicorn drops each access-log line only
+                                   # after working out its arguments: none at all then)
+                                   access_log=logging.getLogger().isEnabledFor(logging.INFO),
                                    timeout_graceful_shutdown=30,
                                    # X-Forwarded-For is trusted only from 127.0.0.1 by
                                    # default (no ingress is): a middleware for nothing

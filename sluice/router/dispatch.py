@@ -157,6 +157,7 @@ class Dispatcher:
             settings.max_queue, settings.queue_timeout, self._retry_after, self._queue_changed,
             clock)
         self.errors = ErrorTracker()
+        metrics.mape.set_function(lambda: self.errors.mape)  # (read at scrape time)
         self.demand = Demand()  # what the autoscaler reads (GET /autoscale/demand)
         self.mean_ttft_s = 0.0  # EWMA of observed TTFTs (Retry-After estimates)
         # model → the request its queue last released, not leased yet, and when (clock): until
@@ -353,7 +354,6 @@ class Dispatcher:
         endpoint.latency.fit_ttft(prediction.features, ttft_s)
         self.context.fleet.fit_ttft(prediction.features, ttft_s)
         self.errors.observe(prediction.ttft_s, ttft_s)
-        self.metrics.mape.set(self.errors.mape)
         if math.isfinite(prediction.ttft_s):
             self.metrics.prediction_error.observe(abs(prediction.ttft_s - ttft_s))
         self.mean_ttft_s += EWMA_ALPHA * (ttft_s - self.mean_ttft_s)

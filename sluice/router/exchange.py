@@ -67,7 +67,7 @@ class Exchange:
         self._last_chunk: float | None = None
         self._gaps = 0
         self._metrics = state.metrics.of(self.model)
-        state.metrics.in_flight.inc()
+        state.metrics.in_flight_requests += 1
         state.dispatcher.dispatched(endpoint, routing)
         state.dispatcher.demand.started(self.model)
 
@@ -153,7 +153,7 @@ class Exchange:
         now = self.clock()
         if not self.lease.release(now):
             return
-        self.state.metrics.in_flight.dec()
+        self.state.metrics.in_flight_requests -= 1
         gap = None
         if self._gaps and self._first_token_at is not None and self._last_chunk is not None:
             gap = (self._last_chunk - self._first_token_at) / self._gaps

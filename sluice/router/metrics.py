@@ -63,8 +63,12 @@ class RouterMetrics:
         self.e2e = Histogram(names.ROUTER_E2E, "Seconds from request arrival to the end of the "
                              "worker's response, by model.", ["model"], buckets=names.E2E_BUCKETS,
                              registry=reg)
+        # The two gauges set on every request are read at scrape time instead: a
+        # Gauge.inc/dec/set is four Python calls and a lock.
+        self.in_flight_requests = 0  # (``Exchange`` counts them)
         self.in_flight = Gauge(names.ROUTER_IN_FLIGHT, "Requests being served by a worker.",
                                registry=reg)
+        self.in_flight.set_function(lambda: self.in_flight_requests)
         self.queue_length = Gauge(names.ROUTER_QUEUE_LENGTH, "Requests waiting in the router's "
                                   "admission queue, by model.", ["model"], registry=reg)
         self.rejected = Counter(names.ROUTER_REJECTED, "Requests answered 429 by admission "
@@ -87,7 +91,7 @@ class RouterMetrics:
                                  "requests go elsewhere.", ["reason"], registry=reg)
         self.mape = Gauge(names.ROUTER_TTFT_PREDICTION_MAPE, "Mean absolute percentage error of "
                           "the TTFT predictor over its last 500 predictions (0.2 = 20 %).",
-                          registry=reg)
+                          registry=reg)  # (its function is the dispatcher's, ``Dispatcher``)
         self.prediction_error = Histogram(names.ROUTER_TTFT_PREDICTION_ERROR, "Absolute error "
                                           "of each TTFT prediction, seconds.",
                                           buckets=ERROR_BUCKETS, registry=reg)
