@@ -123,6 +123,23 @@ def test_native_int8_kernel_is_batch_invariant():
         assert torch.equal(qlinear(x[:rows]), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("n", [960, 36])  # 16-row groups from 8 rows; 36 rows never split so
+def test_native_int4_kernel_is_batch_invariant(n):
+    """The 4-row tiles (below 8 x rows) and the 16-row groups (from 8) compute the same
+    integers and fp32 steps: a row's output is the same to the bit alone or in any batch."""
+    if not kernels.available(torch.device("cpu")):
+        pytest.skip("the native kernels did not build here (see the warning logged)")
+    torch.manual_seed(0)
+    linear = nn.Linear(576, n, bias=False)
+    linear.weight.data = q4_1_weights(n, 576)
+    qlinear = quant.Int4Linear.from_linear(linear)
+    x = torch.randn(130, 576) * torch.rand(130, 1) * 4
+    x[3, :32] = 0.0  # a block of zeros: scale 0
+    alone = torch.cat([qlinear(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 7, 8, 9, 13, 64, 130):
+        assert torch.equal(qlinear(x[:rows]), alone[:rows]), rows
+
+
 @pytest.mark.parametrize("rows, k, n", [(5, 100, 33), (2, 17, 4), (3, 64, 6)])
 def test_weights_that_do_not_split_into_tiles_stay_row_major(rows, k, n):
     """No native kernel for them: the fallback (aten's kernel needs K % 16: it segfaults
