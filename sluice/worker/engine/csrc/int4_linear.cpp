@@ -174,7 +174,7 @@ inline void tile(const Q8Rows& x, const uint8_t* w, float* y, int64_t K, int64_t
 }
 
 // The many-row path (prefill chunks, large decode batches). tile() above broadcasts each x
-// block to 4 weight rows and sums lanes per block: fine for a few rows, where the weight
+// block to 4 weight rows and sums its lanes at the end: fine for a few rows, where the weight
 // stream is the cost, but slow where the arithmetic is. Here 16 weight rows are unpacked once
 // (``unpack_group``) into vpdpbusd's own layout, each 32-bit lane one weight row and its 4
 // bytes 4 consecutive columns, against up to 4 x rows a block: each x row's 4 columns are one
@@ -288,8 +288,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
       std::vector<uint8_t> q(blocks * kGroupBlockBytes);
       std::vector<float> d(blocks * kGroupRows), m(blocks * kGroupRows);
       for (int64_t g = begin; g < end; ++g) {
-        unpack_group(wp + g * (kGroupRows / kTileRows) * tile_bytes, tile_bytes, blocks, q.data(), d.data(),
-                     m.data());
+        unpack_group(wp + g * (kGroupRows / kTileRows) * tile_bytes, tile_bytes, blocks,
+                     q.data(), d.data(), m.data());
         for_row_blocks(M, [&](auto mb, int64_t m0) {
           group<decltype(mb)::value>(xq, q.data(), d.data(), m.data(), yp, K, N,
                                      g * kGroupRows, m0);
