@@ -94,3 +94,38 @@ def test_a_client_leaving_mid_stream_is_counted_499(tmp_path):
             in metrics
         assert 'status="200"' not in metrics
         assert "sluice_router_in_flight_requests 0.0" in metrics
+
+
+def test_a_first_byte_wait_given_up_before_it_starts_leaves_no_coroutine_unawaited():
+    """The client left before the first-byte wait began (the helper's reproduction: 300
+    clients leaving a slow worker's queue logged "coroutine 'first_byte' was never awaited"):
+    the wait is closed unstarted, and the coroutine it would have awaited was never made."""
+    import gc
+    import warnings
+
+    from starlette.requests import Request
+
+    from sluice.router.proxy import _within
+    from sluice.router.relay import ClientDisconnected, _DisconnectWatch, unless_disconnected
+
+    started = []
+
+    async def first_byte():
+        started.append(True)
+
+    async def go():
+        async def receive():
+            return {"type": "http.disconnect"}
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []},
+                          receive)
+        _DisconnectWatch.of(request.scope, request.receive)
+        await asyncio.sleep(0)  # the watcher sees the client gone
+        with pytest.raises(ClientDisconnected):
+            await unless_disconnected(request, _within(5.0, first_byte))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(go())
+        gc.collect()
+    assert not started
+    assert not [w for w in caught if "never awaited" in str(w.message)], caught

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi.responses import JSONResponse, Response
@@ -122,7 +122,7 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
         exchange.waiting()
         try:
             upstream, content, stream = await unless_disconnected(
-                request, _within(state.config.first_byte_timeout, first_byte()))
+                request, _within(state.config.first_byte_timeout, first_byte))
         finally:
             exchange.answered()
         if upstream.status == 503:
@@ -177,9 +177,12 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
             exchange.on_complete()
 
 
-async def _within(seconds: float, work: Awaitable[T]) -> T:
+async def _within(seconds: float, work: Callable[[], Awaitable[T]]) -> T:
+    """``await work()`` within ``seconds``. It takes the coroutine function, not a coroutine:
+    a ``_within`` closed before it starts (the client had left) then leaves no inner
+    coroutine unawaited (Python warns of one)."""
     async with asyncio.timeout(seconds):  # no extra task, unlike wait_for
-        return await work
+        return await work()
 
 
 def _close(upstream: UpstreamResponse) -> None:
