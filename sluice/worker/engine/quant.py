@@ -210,8 +210,8 @@ class Int4Linear(nn.Module):
     ``forward``: x [..., in_features] → [..., out_features] in x's dtype: the native kernel
     for fp32 rows on CPU at any row count (4-row tiles below 8 rows, 16-row groups from 8,
     the same result to the bit), else the dequantized weight's matmul. At 128 and 512 rows
-    the kernel takes 1.3-1.6x the time of fp32's matmul and 1.9-3.7x int8's GEMM
-    (its per-block fp32 steps); at batch 1 it is the fastest of the three.
+    the kernel takes 0.9-1.2x the time of fp32's matmul and 1.6-2.9x int8's GEMM (its
+    per-block fp32 steps); at batch 1 it is the fastest of the three.
     """
 
     def __init__(self, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None):
