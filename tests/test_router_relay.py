@@ -129,3 +129,25 @@ def test_a_first_byte_wait_given_up_before_it_starts_leaves_no_coroutine_unawait
         gc.collect()
     assert not started
     assert not [w for w in caught if "never awaited" in str(w.message)], caught
+
+
+def test_the_headers_a_connection_header_names_are_not_forwarded():
+    """Hop-by-hop headers stay at the router, and so do the ones the client's Connection
+    header lists (RFC 9110 §7.6.1); a repeated header goes on with its last value, the one
+    routing reads too; the router's API key stays with an API key file."""
+    from sluice.router.app import ProxyRequest
+    from sluice.router.proxy import forward_headers
+
+    raw = [(b"host", b"r:8000"), (b"connection", b"keep-alive, X-Trace, x-Other"),
+           (b"x-trace", b"1"), (b"x-other", b"2"), (b"x-slo-ttft-ms", b"100"),
+           (b"x-slo-ttft-ms", b"200"), (b"authorization", b"Bearer k"),
+           (b"content-type", b"application/json"), (b"content-length", b"2"),
+           (b"te", b"trailers"), (b"keep-alive", b"timeout=5")]
+    request = ProxyRequest({"type": "http", "method": "POST", "path": "/", "headers": raw})
+    assert forward_headers(request, None) == {
+        "x-slo-ttft-ms": "200", "authorization": "Bearer k",
+        "content-type": "application/json", "accept-encoding": "identity"}
+    assert "authorization" not in forward_headers(request, keys=object())
+    plain = ProxyRequest({"type": "http", "method": "POST", "path": "/",
+                          "headers": [(b"connection", b"keep-alive"), (b"x-trace", b"1")]})
+    assert forward_headers(plain, None) == {"x-trace": "1", "accept-encoding": "identity"}

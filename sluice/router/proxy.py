@@ -225,8 +225,12 @@ async def _relay(upstream: UpstreamResponse, exchange: Exchange,
 
 
 def forward_headers(request: Request, keys: KeyRing | None) -> dict[str, str]:
-    """The client's headers to send on; its router API key stays here."""
+    """The client's headers to send on: not the hop-by-hop ones, nor those its
+    ``Connection`` header names (RFC 9110 §7.6.1); its router API key stays here."""
     drop = DROP_REQUEST_HEADERS if keys is None else DROP_REQUEST_HEADERS | {"authorization"}
+    listed = request.headers.get("connection")
+    if listed and listed.lower() not in ("keep-alive", "close"):  # (the usual values: no set)
+        drop = drop | {name.strip().lower() for name in listed.split(",")}
     headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
     headers.setdefault("accept-encoding", "identity")  # we relay bytes; don't invite gzip
     return headers
