@@ -221,7 +221,7 @@ def test_rls_matches_the_closed_form_least_squares_without_forgetting():
     ys = [0.3 + 0.05 * x + rng.gauss(0, 0.01) for x in xs]
     for x, y in zip(xs, ys):
         model.update(x, y)
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     assert model.w[1] == pytest.approx(slope, rel=1e-4)
     assert model.w[0] == pytest.approx(my - slope * mx, rel=1e-4)
