@@ -151,3 +151,20 @@ def test_the_headers_a_connection_header_names_are_not_forwarded():
     plain = ProxyRequest({"type": "http", "method": "POST", "path": "/",
                           "headers": [(b"connection", b"keep-alive"), (b"x-trace", b"1")]})
     assert forward_headers(plain, None) == {"x-trace": "1", "accept-encoding": "identity"}
+
+
+def test_header_fields_past_the_bound_are_431_and_the_worker_stays_in(tmp_path):
+    """A request with 70 KB of header fields is answered 431 at the router, in OpenAI's
+    error shape, not forwarded: the null worker (64 KB lines at most) would reset it and be
+    ejected, its other clients answered 503 meanwhile. The next request is served."""
+    with null_and_router(4, 0.0, tmp_path) as (_, routed):
+        big = httpx.post(f"{routed}/v1/completions", json=BODY, timeout=30,
+                         headers={"x-padding": "a" * 70_000})
+        assert big.status_code == 431
+        assert big.json()["error"]["code"] == "request_header_fields_too_large"
+        small = httpx.post(f"{routed}/v1/completions", json=BODY, timeout=30,
+                           headers={"x-padding": "a" * 30_000})
+        assert small.status_code == 200 and small.text.endswith("data: [DONE]\n\n")
+        metrics = httpx.get(f"{routed}/metrics", timeout=10).text
+        assert 'sluice_router_requests_total{model="",status="431"} 1.0' in metrics
+        assert "sluice_router_ejections_total{" not in metrics

@@ -153,6 +153,11 @@ class RouterState:
 
 # ---------------------------------------------------------------------------- the proxy path
 
+# A request's header fields (names and values) are bounded as its body is: they are forwarded
+# whole, and a worker that refuses a larger set (a reset before any byte) would be ejected
+# for one client's request, its other clients answered 503 meanwhile.
+MAX_HEADER_BYTES = 64 * 1024
+
 async def route_request(request: Request, path: str) -> Response:
     """Proxy one OpenAI request to a worker; see the module docstring for the error cases.
 
@@ -162,6 +167,8 @@ async def route_request(request: Request, path: str) -> Response:
     """
     state: RouterState = request.app.state.router
     start = time.monotonic()
+    if sum(len(k) + len(v) for k, v in request.scope["headers"]) > MAX_HEADER_BYTES:
+        return _count(state, None, _headers_too_large())
     try:
         tenant = _tenant(state, request, start)
     except Unauthorized as exc:
@@ -317,6 +324,14 @@ def _charge(state: RouterState, tenant: Tenant, body: dict[str, Any], now: float
 def _unauthorized(exc: Unauthorized) -> Response:
     response = openai_error(401, str(exc), "invalid_request_error", code=exc.code)
     response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+def _headers_too_large() -> Response:
+    response = openai_error(431, f"the request's header fields are larger than "
+                            f"{MAX_HEADER_BYTES} bytes", "invalid_request_error",
+                            code="request_header_fields_too_large")
+    response.headers["Connection"] = "close"  # (its body is not read)
     return response
 
 
