@@ -140,6 +140,33 @@ def test_native_int4_kernel_is_batch_invariant(n):
         assert torch.equal(qlinear(x[:rows]), alone[:rows]), rows
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [3, 9, 48])  # int8: tiles, GEMM from 48; int4: groups from 8
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_native_kernels_carry_a_non_finite_x_through_as_f_linear_does(quantization, rows, bad):
+    """A NaN or inf in a row of x leaves none of that row's outputs finite, as through
+    F.linear: a blow-up is not hidden behind finite numbers (the max that scales the digits
+    skipped a NaN, whose digits were then what a NaN converts to). The other rows do not
+    change."""
+    if not kernels.available(torch.device("cpu")):
+        pytest.skip("the native kernels did not build here (see the warning logged)")
+    torch.manual_seed(0)
+    linear = nn.Linear(576, 64, bias=False)
+    if quantization == "int4":
+        linear.weight.data = q4_1_weights(64, 576)
+        qlinear = quant.Int4Linear.from_linear(linear)
+    else:
+        qlinear = quant.Int8Linear.from_linear(linear)
+    x = torch.randn(rows, 576)
+    clean = qlinear(x)
+    x[1, 100] = bad
+    y = qlinear(x)
+    assert not linear(x)[1].isfinite().any()
+    assert not y[1].isfinite().any()
+    keep = [i for i in range(rows) if i != 1]
+    assert torch.equal(y[keep], clean[keep])
+
+
 @pytest.mark.parametrize("rows, k, n", [(5, 100, 33), (2, 17, 4), (3, 64, 6)])
 def test_weights_that_do_not_split_into_tiles_stay_row_major(rows, k, n):
     """No native kernel for them: the fallback (aten's kernel needs K % 16: it segfaults

@@ -82,7 +82,9 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
       const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
       const float amax =
           _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      const float d = amax / 127.f, inv = scale_inverse(d);
+      const bool nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) |
+                       _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
+      const float d = nan ? NAN : amax / 127.f, inv = scale_inverse(d);
       __m512i sum = _mm512_setzero_si512();
       for (int h = 0; h < 2; ++h) {
         const __m512 v = _mm512_mul_ps(h ? x1 : x0, _mm512_set1_ps(inv));
@@ -106,11 +108,15 @@ Q8Rows quantize_rows(const float* x, int64_t M, int64_t K) {
     for (int64_t b = begin; b < end; ++b) {
       const float* xb = x + b * kBlock;
       float amax = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, inv = scale_inverse(d);
+      bool nan = false;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        amax = std::max(amax, std::fabs(xb[j]));
+        nan |= std::isnan(xb[j]);
+      }
+      const float d = nan ? NAN : amax / 127.f, inv = scale_inverse(d);
       int32_t sum = 0;
       for (int64_t j = 0; j < kBlock; ++j) {
-        const float v = xb[j] * inv;
+        const float v = inv == 0.f ? 0.f : xb[j] * inv;  // (never a NaN to convert)
         const float q = std::nearbyint(v);
         const float r = std::min(127.f, std::max(-127.f, std::nearbyint((v - q) * 256.f)));
         out.q[b * kBlock + j] = static_cast<int8_t>(q);

@@ -56,21 +56,25 @@ constexpr int64_t kPrefetch = 4096;
 constexpr int64_t kGemmMinRows = 48;
 
 // Row m of x [M, K] rounded to two int8 digits: x[m] = dx[m] * (hi + lo / 256), dx[m] =
-// max_k |x[m, k]| / 127. Both paths round x here, so they multiply the same integers.
+// max_k |x[m, k]| / 127. Both paths round x here, so they multiply the same integers. A
+// row with a NaN gets dx NaN (the max skips a NaN), so its outputs are NaN, as F.linear's.
 void round_rows(const float* xp, int64_t M, int64_t K, int8_t* hi, int8_t* lo, float* dx) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* xr = xp + m * K;
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::abs(xr[k]));
-      dx[m] = amax / 127.f;
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      float amax = 0.f, nan = 0.f;  // nan: 0, or NaN when the row holds a NaN or an inf
+#pragma omp simd reduction(max : amax) reduction(+ : nan)
+      for (int64_t k = 0; k < K; ++k) {
+        amax = std::max(amax, std::abs(xr[k]));
+        nan += xr[k] * 0.f;
+      }
+      dx[m] = amax / 127.f + nan;
+      const float inv = amax > 0.f && nan == 0.f ? 127.f / amax : 0.f;
       int8_t* h = hi + m * K;
       int8_t* l = lo + m * K;
 #pragma omp simd
       for (int64_t k = 0; k < K; ++k) {
-        const float u = xr[k] * inv;
+        const float u = inv == 0.f ? 0.f : xr[k] * inv;  // (never a NaN to convert)
         const float d1 = std::nearbyint(u);
         h[k] = static_cast<int8_t>(d1);
         l[k] = static_cast<int8_t>(std::min(127.f, std::nearbyint((u - d1) * 256.f)));
