@@ -376,6 +376,7 @@ def test_ready_line_and_curl(up):
         answer = json.loads(result.stdout)
         assert answer["choices"][0]["message"]["content"], command
         assert answer["usage"]["completion_tokens"] <= 64
+    assert "Paris" in answer["choices"][0]["message"]["content"]  # README's: greedy
 
 
 @slow

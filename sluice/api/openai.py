@@ -4,7 +4,9 @@ Pure code (no engine, no torch): the worker's server validates requests with the
 and shapes engine output into OpenAI JSON with the builders; the router can use the same
 models to read requests. Request models accept unknown fields (clients send extras such as
 ``continuous_usage_stats`` or ``user``) but check the types of the known ones strictly, so a
-string where a number belongs is a 400, as with OpenAI.
+string where a number belongs is a 400, as with OpenAI. Known fields the engines do not
+honour (``NOT_HONOURED``: penalties, guided decoding, vLLM's other extras) are refused
+unless they ask for nothing, never ignored.
 
 Shapes follow the OpenAI API: legacy completions logprobs
 ``{tokens, token_logprobs, top_logprobs, text_offset}``, chat logprobs
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default max_logprobs)
 MAX_N = 128  # most choices per prompt (OpenAI's cap)
 MAX_PROMPTS = 2048  # most prompts in one completions request (OpenAI's cap)
+MAX_MESSAGES = 2048  # most messages in one chat request (the same bound)
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; lm-eval tasks send a few)
 MAX_STOP_CHARS = 256  # characters per stop string: each token checks every tail against them
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
@@ -92,14 +95,72 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
         return APIError(400, f"request body is not valid JSON: {detail}", code="json_invalid")
-    loc = [part for part in first.get("loc", ()) if part != "body"]
+    loc = _loc(first)
     param = str(loc[0]) if loc and isinstance(loc[0], str) else None
+    union = next((i for i, part in enumerate(loc) if _is_type_tag(part)), None)
+    if union is not None:  # one error per member of a union ("prompt.str: ..."): one message
+        tags = dict.fromkeys(where[union] for where in map(_loc, errors)
+                             if where[:union] == loc[:union] and len(where) > union
+                             and _is_type_tag(where[union]))
+        *some, last = map(_describe, tags)
+        return APIError(400, f"{'.'.join(map(str, loc[:union]))}: must be "
+                        f"{', '.join(some)}{' or ' if some else ''}{last}", param=param)
     where = ".".join(str(p) for p in loc) or "body"
     message = first.get("msg", "invalid value").removeprefix("Value error, ")  # a validator's
     return APIError(400, f"{where}: {message}", param=param)
 
 
+def _loc(error: dict) -> list:
+    return [part for part in error.get("loc", ()) if part != "body"]
+
+
+_TYPE_NAMES = {"str": ("a string", "strings"), "int": ("an integer", "integers"),
+               "float": ("a number", "numbers"), "bool": ("a boolean", "booleans"),
+               "ContentPart": ("a content part", "content parts")}
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Whether a pydantic ``loc`` part names a union member (``str``, ``list[int]``)."""
+    return isinstance(part, str) and (part in _TYPE_NAMES or part.startswith(("list[", "dict[")))
+
+
+def _describe(tag: str, plural: bool = False) -> str:
+    """A union member's tag in words: ``list[list[int]]`` → "a list of lists of integers"."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        return ("lists of " if plural else "a list of ") + _describe(tag[5:-1], True)
+    if tag.startswith("dict["):
+        return "objects" if plural else "an object"
+    one, many = _TYPE_NAMES.get(tag, (tag, tag))
+    return many if plural else one
+
+
 # --------------------------------------------------------------------------- requests
+
+
+# OpenAI fields and vLLM extras that neither engine honours, each with the values that ask
+# for nothing (clients send those): any other value is refused with a 400 naming the field,
+# never ignored. The penalties and min_p are range-checked too (``_GenerationRequest``).
+NOT_HONOURED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "min_p": (None, 0),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "allowed_token_ids": (None, []), "bad_words": (None, []), "use_beam_search": (None, False),
+    "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,),
+}
+NOT_HONOURED_COMPLETIONS = {"suffix": (None, "")}
+NOT_HONOURED_CHAT = {"echo": (None, False), "modalities": (None, ["text"]), "audio": (None,),
+                     "prediction": (None,)}
+
+
+def _refuse_unless_no_op(value: Any, info: ValidationInfo, no_ops: dict[str, tuple]) -> Any:
+    """``value`` when it asks for nothing (``no_ops[field]``); ValueError otherwise."""
+    allowed = no_ops[info.field_name]
+    if value in allowed:
+        return value
+    shown = " or ".join("null" if v is None else json.dumps(v) for v in allowed)
+    raise ValueError(f"not supported by this server; send {shown} or leave it out")
 
 
 class _Lenient(BaseModel):
@@ -119,8 +180,8 @@ class _GenerationRequest(_Lenient):
     Every number is finite and in the range vLLM's ``SamplingParams._verify_args`` accepts
     (a 400 naming the field otherwise), so no request can reach the sampler with a value
     that makes it raise. ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``
-    and ``min_p`` are checked like that but not applied by the native engine (as before:
-    accepted for compatibility).
+    and ``min_p`` are checked like that, then refused unless they ask for nothing: neither
+    engine applies them (``NOT_HONOURED``; they used to be accepted and ignored).
     """
 
     model: str | None = None
@@ -147,6 +208,32 @@ class _GenerationRequest(_Lenient):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    # NOT_HONOURED's other fields: any type, refused unless a no-op
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator(*NOT_HONOURED)
+    @classmethod
+    def _not_honoured(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_no_op(value, info, NOT_HONOURED)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_stream(cls, value: StreamOptions | None, info: ValidationInfo
+                          ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true (as OpenAI and vLLM)")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -219,14 +306,21 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: Any = None  # NOT_HONOURED_COMPLETIONS
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _bounded_prompts(cls, value: Any) -> Any:
+        # counted before any prompt is validated (see ChatCompletionRequest._bounded_messages)
         if isinstance(value, list) and value and not isinstance(value[0], int) \
                 and len(value) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
         return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_no_op(value, info, NOT_HONOURED_COMPLETIONS)
 
     def num_prompts(self) -> int:
         """Prompts in ``prompt``: a text or one list of token ids is one."""
@@ -276,6 +370,24 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None  # the deprecated form of tools
     function_call: str | dict[str, Any] | None = None  # ... of tool_choice
+    echo: Any = None  # NOT_HONOURED_CHAT (vLLM's: the last message's text first)
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bounded_messages(cls, value: Any) -> Any:
+        # counted before any message is validated: 480,000 tiny ones took 2.2 s to validate
+        # on the worker's event loop, long enough for the router to eject the worker
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages per request, got {len(value)}")
+        return value
+
+    @field_validator(*NOT_HONOURED_CHAT)
+    @classmethod
+    def _chat_not_honoured(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless_no_op(value, info, NOT_HONOURED_CHAT)
 
     @field_validator("tools", "functions")
     @classmethod

@@ -76,9 +76,16 @@ def _load() -> bool:
                                       or cpp_extension.get_default_build_root()))
         build.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(build / "lock")
+        first = not (build / "sluice_kernels.so").exists()
+        if first:  # (a first `sluice up` is otherwise silent for this long)
+            logger.info("building the native CPU kernels into %s (once per checkout and "
+                        "torch: ~30-60 s on 2 cores)", build)
+        started = time.monotonic()
         cpp_extension.load(name="sluice_kernels", sources=[str(s) for s in SOURCES],
                            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                            build_directory=str(build), is_python_module=False)
+        if first:
+            logger.info("native CPU kernels built in %.1f s", time.monotonic() - started)
     except Exception as err:  # no compiler, headers or ninja: serve on the slower paths
         logger.warning("native CPU kernels unavailable, decode attention uses gather + SDPA "
                        "and int8 matmuls aten's kernel: %s", _build_failure(err))

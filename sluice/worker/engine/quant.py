@@ -380,8 +380,10 @@ def quantize_int8(model: nn.Module, lm_head: bool = True, layers: bool = True) -
         if tied:
             model.embed_tokens = Int8Embedding(model.lm_head.weight, model.lm_head.scales, dtype,
                                                model.lm_head.packed)
-    logger.info("int8 weight-only: %d linears%s quantized, weights %.1f MiB -> %.1f MiB", count,
-                " (lm_head included)" if lm_head else "", before / 2**20, _weight_bytes(model) / 2**20)
+    if layers:  # (else quantize_int4 logs the whole conversion in one line)
+        logger.info("int8 weight-only: %d linears%s quantized, weights %.1f MiB -> %.1f MiB",
+                    count, " (lm_head included)" if lm_head else "", before / 2**20,
+                    _weight_bytes(model) / 2**20)
     return model
 
 
