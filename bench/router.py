@@ -206,9 +206,10 @@ def vllm_router_binary() -> tuple[Path | None, str]:
                   "/tmp/vllm-router-venv && /tmp/vllm-router-venv/bin/pip install vllm-router`")
 
 
-def start_vllm_router(binary: Path, workers: list[str], log: Path) -> tuple[Proc, str]:
+def start_vllm_router(binary: Path, workers: list[str], log: Path,
+                      policy: str = "round_robin") -> tuple[Proc, str]:
     port = free_port()
-    argv = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+    argv = [str(binary), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
             "--worker-urls", *workers, "--prometheus-port", str(free_port()),
             "--log-level", "warning", "--health-check-interval-secs", "1"]
     proc = Proc(argv, log)
@@ -248,11 +249,13 @@ def overhead(args, model: Path, tmp: Path) -> dict:
         if binary is None:
             result["vllm_router"] = {"ran": False, "why": how}
         else:
-            try:
-                vrouter, paths["vllm-router"] = start_vllm_router(binary, [upstream],
-                                                                   tmp / "vllm-router.log")
-                procs.append(vrouter)
-                pids["vllm-router"] = vrouter.proc.pid
+            try:  # its round robin, and its default (prefix-aware, as sluice's default)
+                for name, policy in (("vllm-router", "round_robin"),
+                                     ("vllm-router-cache-aware", "cache_aware")):
+                    vrouter, paths[name] = start_vllm_router(binary, [upstream],
+                                                             tmp / f"{name}.log", policy)
+                    procs.append(vrouter)
+                    pids[name] = vrouter.proc.pid
                 result["vllm_router"] = {"ran": True, "binary": how}
             except (RuntimeError, TimeoutError) as exc:
                 result["vllm_router"] = {"ran": False, "why": f"did not start: {exc}"}
@@ -315,6 +318,12 @@ def summarize_overhead(paths: dict) -> dict:
             row["added_p99_ms"] = row["e2e_p99_ms"] - direct["e2e_p99_ms"]
     if "sluice" in out and "vllm-router" in out and out["vllm-router"]["max_rps"]:
         out["sluice_vs_vllm_router_rps"] = out["sluice"]["max_rps"] / out["vllm-router"]["max_rps"]
+    for name, key in (("vllm-router", "sluice_vs_vllm_router_cpu"),
+                      ("vllm-router-cache-aware", "sluice_vs_vllm_router_cache_aware_cpu")):
+        theirs = out.get(name, {}).get("router_cpu_ms_per_request")
+        ours = out.get("sluice", {}).get("router_cpu_ms_per_request")
+        if theirs and ours is not None:
+            out[key] = ours / theirs
     return out
 
 
@@ -451,17 +460,21 @@ def print_tables(result: dict) -> None:
     over = result.get("overhead")
     if over:
         print(f"\nRouter overhead ({over['upstream']}; load average {result['load_average']})")
-        print(f"{'path':<12} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
+        print(f"{'path':<23} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} "
               f"{'max req/s':>10} {'TTFT p50 @max':>14} {'router CPU ms/req':>18}")
         for name, row in over["summary"].items():
             if not isinstance(row, dict):
                 continue
-            print(f"{name:<12} {_fmt(row['e2e_p50_ms'], 2):>8} {_fmt(row['e2e_p99_ms'], 2):>8} "
+            print(f"{name:<23} {_fmt(row['e2e_p50_ms'], 2):>8} {_fmt(row['e2e_p99_ms'], 2):>8} "
                   f"{_fmt(row.get('added_p50_ms'), 2):>8} {_fmt(row.get('added_p99_ms'), 2):>8} "
                   f"{_fmt(row['max_rps']):>10} {_fmt(row.get('ttft_p50_ms_at_max'), 1):>14} "
                   f"{_fmt(row.get('router_cpu_ms_per_request'), 3):>18}")
-        if "sluice_vs_vllm_router_rps" in over["summary"]:
-            print(f"sluice / vllm-router req/s: {over['summary']['sluice_vs_vllm_router_rps']:.2f}x")
+        for key, what in (("sluice_vs_vllm_router_rps", "sluice / vllm-router req/s"),
+                          ("sluice_vs_vllm_router_cpu", "sluice / vllm-router CPU per request"),
+                          ("sluice_vs_vllm_router_cache_aware_cpu",
+                           "sluice / vllm-router (cache_aware) CPU per request")):
+            if key in over["summary"]:
+                print(f"{what}: {over['summary'][key]:.2f}x")
         if not over.get("vllm_router", {}).get("ran", True):
             print(f"vllm-router: not run: {over['vllm_router']['why']}")
     qual = result.get("quality")

@@ -179,13 +179,6 @@ CASES = [
     ("audio", "/v1/chat/completions", {"messages": MSGS, "audio": {"voice": "alloy"}}, "audio"),
     ("prediction", "/v1/chat/completions",
      {"messages": MSGS, "prediction": {"type": "content", "content": "x"}}, "prediction"),
-    ("presence_penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 0.5},
-     "presence_penalty"),
-    ("frequency_penalty", "/v1/chat/completions", {"messages": MSGS, "frequency_penalty": -1},
-     "frequency_penalty"),
-    ("repetition_penalty", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1.1},
-     "repetition_penalty"),
-    ("min_p", "/v1/completions", {"prompt": "hi", "min_p": 0.1}, "min_p"),
 ]
 
 
@@ -663,8 +656,7 @@ def test_the_no_op_forms_of_refused_fields_are_accepted(worker_url):
     assert post(worker_url, "/v1/chat/completions", {
         "model": MODEL, "messages": MSGS, "max_tokens": 1, "tools": [], "tool_choice": "none",
         "response_format": {"type": "text"}}).status_code == 200
-    noop = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1,
-            "min_p": 0, "skip_special_tokens": True, "include_stop_str_in_output": False,
+    noop = {"skip_special_tokens": True, "include_stop_str_in_output": False,
             "allowed_token_ids": None, "bad_words": [], "use_beam_search": False,
             "prompt_logprobs": None, "truncate_prompt_tokens": None, "guided_json": None,
             "structured_outputs": None}

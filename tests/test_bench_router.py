@@ -23,11 +23,16 @@ def test_coprime_groups_and_overhead_summary():
                                         "failed": 0}]},
              "sluice": {"latency": [{"e2e_p50_ms": 1.5, "e2e_p99_ms": 3.0, "rps": 0, "failed": 0}],
                         "throughput": [{"rps": 80.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0,
-                                        "failed": 1, "ttft_p50_ms": 900.0}]},
+                                        "failed": 1, "ttft_p50_ms": 900.0,
+                                        "router_cpu_ms_per_request": 0.6}]},
              "vllm-router": {"latency": [{"e2e_p50_ms": 1.2, "e2e_p99_ms": 2.5, "rps": 0,
                                           "failed": 0}],
                              "throughput": [{"rps": 90.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0,
-                                             "failed": 0}]}}
+                                             "failed": 0, "router_cpu_ms_per_request": 0.3}]},
+             "vllm-router-cache-aware": {
+                 "latency": [{"e2e_p50_ms": 1.2, "e2e_p99_ms": 2.5, "rps": 0, "failed": 0}],
+                 "throughput": [{"rps": 90.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0, "failed": 0,
+                                 "router_cpu_ms_per_request": 0.4}]}}
     out = bench_router.summarize_overhead(paths)
     assert out["sluice"]["added_p50_ms"] == pytest.approx(0.5)
     assert out["sluice"]["added_p99_ms"] == pytest.approx(1.0)
@@ -35,6 +40,8 @@ def test_coprime_groups_and_overhead_summary():
     assert out["sluice"]["ttft_p50_ms_at_max"] == 900.0
     assert out["direct"]["ttft_p50_ms_at_max"] is None  # (rows of an older run: none)
     assert out["sluice_vs_vllm_router_rps"] == pytest.approx(80 / 90)
+    assert out["sluice_vs_vllm_router_cpu"] == pytest.approx(2.0)
+    assert out["sluice_vs_vllm_router_cache_aware_cpu"] == pytest.approx(1.5)
 
 
 @pytest.mark.slow
@@ -55,6 +62,7 @@ def test_router_bench_tiny(tmp_path):
     assert summary["sluice"]["max_rps"] > 0 and "added_p50_ms" in summary["sluice"]
     vllm = result["overhead"]["vllm_router"]
     assert vllm["ran"] == ("vllm-router" in summary) and (vllm["ran"] or vllm["why"])
+    assert vllm["ran"] == ("vllm-router-cache-aware" in summary)
     quality = result["quality"]
     assert quality["prefix_groups"] == 3  # 2 is not coprime with 2 replicas
     for policy in ("round-robin", "slo"):

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from sluice.worker.engine import EngineConfig, SamplingParams, sampler
 from sluice.worker.engine.llm_engine import LLMEngine
+from sluice.worker.engine.sampling_params import InvalidSamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -173,6 +174,95 @@ def test_min_tokens_defers_stop_strings_and_stop_token_ids(engine):
     with pytest.raises(ValueError, match=r"min_tokens must be in \[0, max_tokens = 8\]"):
         engine.check_request(ids, greedy(max_tokens=8, min_tokens=9))
     assert_pool_idle(engine)
+
+
+REPETITIVE = ["1, 2, 3, 4,", "apple, banana, apple, banana, apple,", "The quick brown fox"]
+
+
+def test_repetition_penalty_matches_hf(engine, hf_model):
+    """repetition_penalty over the prompt's and the output's tokens (a positive logit divided
+    by it, a negative one multiplied: HF's RepetitionPenaltyLogitsProcessor, vLLM's
+    ``apply_penalties``), greedy, token for token as HF ``generate``; penalized rows batched
+    with plain ones leave those alone."""
+    prompts = [engine.tokenizer.encode(p) for p in REPETITIVE]
+    params = [greedy(repetition_penalty=1.3, ignore_eos=True), greedy(ignore_eos=True),
+              greedy(repetition_penalty=0.8, ignore_eos=True)]
+    got = engine.generate(prompts, params)
+    plain = engine.generate(prompts, [greedy(ignore_eos=True)] * 3)
+    for ids, p, out in zip(prompts, params, got):
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                repetition_penalty=p.repetition_penalty,
+                                pad_token_id=0, eos_token_id=None)
+        assert out == ref[0, len(ids):].tolist()
+    assert got[0] != plain[0] and got[2] != plain[2] and got[1] == plain[1]
+    assert_pool_idle(engine)
+
+
+def _openai_penalized_greedy(hf_model, ids, steps, presence, frequency):
+    """The reference: HF forward passes, each next token the argmax of the logits less
+    ``frequency`` x its count in the output so far and ``presence`` if it is there at all
+    (OpenAI's definition; vLLM's ``apply_penalties``: output tokens only)."""
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = hf_model(torch.tensor([ids + out])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long),
+                                    minlength=logits.numel())[:logits.numel()].float()
+            logits -= frequency * counts
+            logits -= presence * (counts > 0).float()
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_presence_and_frequency_penalties_match_a_reference_loop(engine, hf_model):
+    prompts = [engine.tokenizer.encode(p) for p in REPETITIVE[:2]]
+    params = [greedy(max_tokens=16, frequency_penalty=2.0, presence_penalty=-0.5,
+                     ignore_eos=True),
+              greedy(max_tokens=16, presence_penalty=1.5, ignore_eos=True)]
+    got = engine.generate(prompts, params)
+    for ids, p, out in zip(prompts, params, got):
+        assert out == _openai_penalized_greedy(hf_model, ids, 16, p.presence_penalty,
+                                               p.frequency_penalty)
+    plain = engine.generate(prompts, [greedy(max_tokens=16, ignore_eos=True)] * 2)
+    assert got[0] != plain[0] and got[1] != plain[1]
+    assert_pool_idle(engine)
+
+
+def test_penalties_exact_values():
+    """sampler.penalize on one row: repetition over prompt and output ids (each id once,
+    however often it appears), then frequency x count and presence over output ids."""
+    row = torch.tensor([2.0, -2.0, 1.0, 4.0, -1.0, 0.5])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5,
+                       presence_penalty=0.25)
+    sampler.penalize(row, prompt_ids=[0, 1, 1], output_ids=[3, 3, 1], params=p)
+    assert row.tolist() == [1.0, -4.0 - 0.5 - 0.25, 1.0, 2.0 - 1.0 - 0.25, -1.0, 0.5]
+    same = torch.tensor([2.0, -2.0, 1.0])
+    sampler.penalize(same, [0, 1], [2, 2], SamplingParams(temperature=0.0))  # the no-ops
+    assert same.tolist() == [2.0, -2.0, 1.0]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_best():
+    """min_p (vLLM's, Nguyen et al. 2024): after the temperature, tokens whose probability is
+    below min_p x the best one's are dropped; top_p then works on what is left."""
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    probs = sampler.processed_probs(logits, SamplingParams(min_p=0.3))
+    assert (probs > 0).tolist() == [True, True, True, False]  # 0.1 < 0.3 x 0.5
+    torch.testing.assert_close(probs[:3] / probs.sum(), torch.tensor([0.5, 0.25, 0.15]) / 0.9)
+    probs = sampler.processed_probs(logits, SamplingParams(min_p=0.3, top_p=0.8))
+    assert (probs > 0).tolist() == [True, True, False, False]  # 0.5/0.9 + 0.25/0.9 >= 0.8
+    probs = sampler.processed_probs(logits, SamplingParams(min_p=0.3, temperature=2.0))
+    assert (probs > 0).all()  # flatter: 0.1's share passes
+
+
+def test_sampling_params_refuse_penalties_out_of_range():
+    for kw, field in [({"presence_penalty": 2.5}, "presence_penalty"),
+                      ({"frequency_penalty": -3}, "frequency_penalty"),
+                      ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                      ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+                      ({"min_p": 1.5}, "min_p"), ({"min_p": float("nan")}, "min_p")]:
+        with pytest.raises(InvalidSamplingParams) as err:
+            SamplingParams(**kw).verify()
+        assert err.value.param == field
 
 
 def test_non_ascii_stream_never_splits_a_character(engine):

@@ -75,6 +75,23 @@ def test_greedy_output_is_identical_with_ngram_speculation(engines):
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def test_penalized_requests_get_no_drafts_and_the_same_output(engines):
+    """A penalty depends on every token before the one it scores, so a penalized request is
+    not speculated (its drafts would be scored without the drafts before them); its output is
+    the plain engine's, token for token, beside a speculated one."""
+    plain, spec = engines
+    ids = [plain.tokenizer.encode(PROMPT)] * 2
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                             repetition_penalty=1.2, frequency_penalty=0.4),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
+    drafts = spec.num_draft_tokens
+    assert spec.generate(ids, params) == plain.generate(ids, params)
+    assert spec.num_draft_tokens > drafts  # the plain one was speculated
+    drafts = spec.num_draft_tokens
+    spec.generate(ids[:1], params[:1])
+    assert spec.num_draft_tokens == drafts
+
+
 def test_speculation_respects_max_tokens_and_stop_strings(engines):
     plain, spec = engines
     ids = plain.tokenizer.encode(PROMPT)

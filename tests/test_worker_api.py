@@ -218,6 +218,33 @@ def test_min_tokens_is_applied(worker_url):
     assert held["usage"]["completion_tokens"] >= 20
 
 
+PENALIZED = [  # greedy, 16 tokens: the penalties as HF and vLLM apply them (test_engine.py)
+    ({"prompt": "1, 2, 3, 4,", "frequency_penalty": 2.0},
+     " 5, 6, and so on.\n\nThe Fibonacci sequence"),
+    ({"prompt": "apple, banana, apple, banana, apple,", "presence_penalty": 1.5},
+     " apple, banana, apple, apple, apple, apple, apple, apple,"),
+    ({"prompt": "apple, banana, apple, banana, apple,", "repetition_penalty": 1.3},
+     " pear...\n* 20% of the total number (1.5"),  # (HF generate's, repetition_penalty=1.3)
+]
+
+
+def test_penalties_are_applied(worker_url):
+    """presence, frequency and repetition penalties change greedy text exactly as the
+    reference does; min_p 1 keeps only the most likely token, so sampling at temperature 1
+    gives the greedy text."""
+    base = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    for extra, expected in PENALIZED:
+        plain = ok(worker_url, "/v1/completions", {**base, "prompt": extra["prompt"]})
+        got = ok(worker_url, "/v1/completions", {**base, **extra})["choices"][0]["text"]
+        assert got == expected != plain["choices"][0]["text"], extra
+    body = {**base, "prompt": "The capital of France is"}
+    greedy = ok(worker_url, "/v1/completions", body)["choices"][0]["text"]
+    for seed in (1, 2):
+        sampled = ok(worker_url, "/v1/completions",
+                     {**body, "temperature": 1.0, "min_p": 1.0, "seed": seed})
+        assert sampled["choices"][0]["text"] == greedy
+
+
 # --------------------------------------------------------------------------- prompts, logprobs
 
 

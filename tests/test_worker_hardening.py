@@ -557,9 +557,9 @@ def _fuzz_strategies():
     valid = {
         "max_tokens": st.integers(1, 4), "temperature": st.floats(0, 2),
         "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50),
-        # (the penalties and min_p: only their no-op values are served, NOT_HONOURED)
-        "min_p": st.just(0.0), "presence_penalty": st.just(0), "frequency_penalty": st.just(0),
-        "repetition_penalty": st.just(1.0), "seed": st.integers(0, 2**32),
+        "min_p": st.floats(0, 1), "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.01, 10),
+        "seed": st.integers(0, 2**32),
         "n": st.integers(1, 2), "stop": st.lists(safe_text, max_size=3),
         "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
         "stream": st.booleans(), "ignore_eos": st.booleans(),

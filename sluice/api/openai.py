@@ -5,7 +5,7 @@ and shapes engine output into OpenAI JSON with the builders; the router can use 
 models to read requests. Request models accept unknown fields (clients send extras such as
 ``continuous_usage_stats`` or ``user``) but check the types of the known ones strictly, so a
 string where a number belongs is a 400, as with OpenAI. Known fields the engines do not
-honour (``NOT_HONOURED``: penalties, guided decoding, vLLM's other extras) are refused
+honour (``NOT_HONOURED``: guided decoding, vLLM's other extras) are refused
 unless they ask for nothing, never ignored.
 
 Shapes follow the OpenAI API: legacy completions logprobs
@@ -140,10 +140,8 @@ def _describe(tag: str, plural: bool = False) -> str:
 
 # OpenAI fields and vLLM extras that neither engine honours, each with the values that ask
 # for nothing (clients send those): any other value is refused with a 400 naming the field,
-# never ignored. The penalties and min_p are range-checked too (``_GenerationRequest``).
+# never ignored.
 NOT_HONOURED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "min_p": (None, 0),
     "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
     "allowed_token_ids": (None, []), "bad_words": (None, []), "use_beam_search": (None, False),
     "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
@@ -200,9 +198,7 @@ class _GenerationRequest(_Lenient):
 
     Every number is finite and in the range vLLM's ``SamplingParams._verify_args`` accepts
     (a 400 naming the field otherwise), so no request can reach the sampler with a value
-    that makes it raise. ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``
-    and ``min_p`` are checked like that, then refused unless they ask for nothing: neither
-    engine applies them (``NOT_HONOURED``; they used to be accepted and ignored).
+    that makes it raise.
     """
 
     model: str | None = None

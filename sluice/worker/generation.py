@@ -83,6 +83,10 @@ def _sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, max_t
         min_tokens=req.min_tokens or 0,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
     )
 
 

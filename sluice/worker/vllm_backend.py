@@ -113,6 +113,10 @@ def sampling_arguments(params: SamplingParams) -> dict[str, Any]:
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
         skip_special_tokens=True,  # as the native detokenizer
         include_stop_str_in_output=False,
     )

@@ -14,7 +14,7 @@ from sluice.worker.engine.detokenizer import IncrementalDetokenizer
 from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.models.llama import SUPPORTED_ARCHITECTURES
 from sluice.worker.engine.outputs import RequestOutput
-from sluice.worker.engine.sampler import logprobs_of, sample
+from sluice.worker.engine.sampler import logprobs_of, penalize, sample
 from sluice.worker.engine.sampling_params import SamplingParams, check_fits
 from sluice.worker.engine.scheduler import Scheduler
 from sluice.worker.engine.sequence import Sequence, SequenceStatus
@@ -204,11 +204,14 @@ class LLMEngine:
         wanted = [(seq, min(seq.params.max_tokens - seq.num_output_tokens - 1,
                             self.max_model_len - seq.num_tokens))
                   for seq in self.scheduler.running
-                  if seq.num_computed_tokens == seq.num_tokens - 1]  # decoding
+                  # decoding; a penalty scores each token after all those before it, drafts
+                  # included, and the verifier scores drafts without them: no drafts for it
+                  if seq.num_computed_tokens == seq.num_tokens - 1
+                  and not seq.params.penalized]
         self.proposer.propose(wanted)
 
     def _choose_tokens(self, logits: torch.Tensor, samplers, failed) -> dict[Sequence, list[int]]:
-        logits = self._mask_min_tokens(logits, samplers)
+        logits = self._penalize(self._mask_min_tokens(logits, samplers), samplers)
         chosen: dict[Sequence, list[int]] = {}
         plain = [(seq, row) for seq, row in samplers if not seq.spec_token_ids]
         if plain:
@@ -252,6 +255,20 @@ class LLMEngine:
         masked = logits.clone()
         masked[list(rows), list(ids)] = float("-inf")
         return masked
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, samplers) -> torch.Tensor:
+        """``logits`` [rows, vocab] with each penalized sequence's row penalized
+        (``sampler.penalize``; a copy, so logprobs stay the model's own). A penalized
+        sequence has no drafts (``_propose``): one row."""
+        penalized = [(seq, row) for seq, row in samplers if seq.params.penalized]
+        if not penalized:
+            return logits
+        logits = logits.clone()
+        for seq, row in penalized:
+            n = seq.num_prompt_tokens
+            penalize(logits[row], seq.token_ids[:n], seq.token_ids[n:], seq.params)
+        return logits
 
     def _token_logprobs(self, logits, samplers, chosen, failed) -> dict[Sequence, list]:
         items = [(seq, row + i, t) for seq, row in samplers

@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p (nucleus), per-request seeds, logprobs."""
+"""Token sampling: penalties, greedy, temperature, min-p, top-k, top-p (nucleus), per-request
+seeds, logprobs."""
 
 from __future__ import annotations
 
@@ -71,11 +72,41 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
             for token, good in zip(picks, ok)]
 
 
-def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy request samples from.
+def penalize(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
+             params: SamplingParams) -> None:
+    """Apply a request's penalties to its next token's logits, in place (vLLM's
+    ``apply_penalties``, in its order): ``repetition_penalty`` r over the tokens of the
+    prompt and the output (each once: a positive logit / r, else x r; HF's
+    RepetitionPenaltyLogitsProcessor, Keskar et al. 2019), then ``frequency_penalty`` x
+    each token's count in the output and ``presence_penalty`` for each token in it
+    (OpenAI's definition) are subtracted.
 
-    Divide by the temperature, keep the top-k, then the smallest set whose mass reaches
-    top-p (Holtzman et al. 2019, nucleus sampling); unnormalized is fine for ``draw``.
+    Args:
+        logits: [vocab] fp32, modified in place.
+        prompt_ids, output_ids: the sequence's tokens so far.
+    """
+    vocab = logits.numel()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(prompt_ids + output_ids, dtype=torch.long).unique()
+        seen = seen[seen < vocab]
+        values = logits[seen]
+        r = params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / r, values * r)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long),
+                                minlength=vocab)[:vocab].to(logits.dtype)
+        if params.frequency_penalty:
+            logits -= params.frequency_penalty * counts
+        if params.presence_penalty:
+            logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from (vLLM v1's order).
+
+    Divide by the temperature; drop the tokens below ``min_p`` x the best one's probability
+    (Nguyen et al. 2024, min-p sampling); keep the top-k, then the smallest set whose mass
+    reaches top-p (Holtzman et al. 2019, nucleus sampling); unnormalized is fine for ``draw``.
 
     Args:
         logits: [vocab] fp32.
@@ -84,6 +115,9 @@ def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         [vocab] probabilities (a new tensor, safe to modify).
     """
     x = logits / p.temperature
+    if p.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if 0 < p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -51,6 +51,16 @@ class SamplingParams:
             stop strings are looked for only in the text of later tokens).
         logprobs: if not None, return the chosen token's logprob and this many top alternatives.
         prompt_logprobs: if not None, also return logprobs of the prompt tokens (for echo).
+        presence_penalty: subtracted from the logit of every token the output holds, in
+            [-2, 2]; 0 disables it (OpenAI's, applied as vLLM does: output tokens only).
+        frequency_penalty: subtracted from a token's logit once per time the output holds
+            it, in [-2, 2]; 0 disables it.
+        repetition_penalty: a token of the prompt or the output has a positive logit divided
+            by it, a negative one multiplied (Keskar et al. 2019, CTRL; HF's and vLLM's);
+            > 0, 1 disables it.
+        min_p: after the temperature, drop tokens whose probability is below ``min_p``
+            times the most likely one's, in [0, 1]; 0 disables it (vLLM's; Nguyen et al.
+            2024). Logprobs stay the model's own, before any of these.
     """
 
     max_tokens: int = 16
@@ -64,6 +74,10 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         # NaN compares False everywhere and is left for verify() to refuse
@@ -72,11 +86,17 @@ class SamplingParams:
         elif SAMPLING_EPS <= self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         if self.temperature == 0.0:  # greedy: the other knobs cannot change the argmax
-            self.top_p, self.top_k = 1.0, 0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """A penalty changes the logits (they then depend on the tokens so far)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     def verify(self) -> None:
         """Refuse values no sampler can use (the ranges of vLLM's ``_verify_args``).
@@ -96,6 +116,17 @@ class SamplingParams:
         if not (isinstance(p, (int, float)) and math.isfinite(p) and 0.0 < p <= 1.0):
             raise InvalidSamplingParams(f"top_p must be a finite number in (0, 1], got {p}",
                                         "top_p")
+        for name, low, high in (("presence_penalty", -2.0, 2.0),
+                                ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and low <= value <= high):  # (NaN fails)
+                raise InvalidSamplingParams(f"{name} must be in [{low:g}, {high:g}], got {value}",
+                                            name)
+        r = self.repetition_penalty
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0.0):
+            raise InvalidSamplingParams(
+                f"repetition_penalty must be a finite number above 0, got {r}",
+                "repetition_penalty")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise InvalidSamplingParams(
                 f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
