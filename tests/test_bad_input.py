@@ -630,9 +630,24 @@ def test_options_that_do_not_fit_the_model_fail_in_one_line(model_path):
     assert "Traceback" not in result.stderr
 
 
-def test_unsupported_logit_bias_and_infinite_temperature_are_400(worker_url):
+@pytest.mark.parametrize("bias,words", [
+    ({"28": 100.5}, "in [-100, 100]"), ({"x": 1}, "token ids"), ({"-3": 1}, "token ids"),
+    ({"28": "big"}, "number"), ({"49152": 1}, "out of the vocabulary"),
+    ({str(i): 1 for i in range(2049)}, "at most 2048"), ([28], "dictionary")],
+    ids=["value-over-100", "key-not-an-id", "key-negative", "value-a-string", "out-of-vocab",
+         "too-many", "not-an-object"])
+def test_bad_logit_bias_is_400_naming_it(worker_url, bias, words):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "logit_bias": bias}
+    assert words in assert_error(post(worker_url, "/v1/completions", body), 400,
+                                 "logit_bias")["message"]
+
+
+def test_infinite_sampling_values_are_400(worker_url):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    assert_error(post(worker_url, "/v1/completions", {**body, "logit_bias": {"28": 100}}), 400, "logit_bias")
+    r = post(worker_url, "/v1/completions", None, content=b'{"model": "%s", "prompt": "hi", '
+             b'"logit_bias": {"28": NaN}}' % MODEL.encode(),
+             headers={"content-type": "application/json"})
+    assert_error(r, 400, "logit_bias")
     r = post(worker_url, "/v1/completions", None, content=b'{"model": "%s", "prompt": "hi", "temperature": Infinity}'
              % MODEL.encode(), headers={"content-type": "application/json"})
     assert_error(r, 400, "temperature")

@@ -258,15 +258,38 @@ def test_min_p_drops_tokens_below_its_share_of_the_best():
     assert (probs > 0).all()  # flatter: 0.1's share passes
 
 
-def test_sampling_params_refuse_penalties_out_of_range():
+def test_logit_bias_matches_hf_sequence_bias(engine, hf_model):
+    """logit_bias (OpenAI's; vLLM's LogitBiasLogitsProcessor): each listed token's logit gets
+    its bias before anything else, greedy token for token as HF ``generate``'s
+    ``sequence_bias`` with one-token sequences; rows without one are left alone."""
+    ids = engine.tokenizer.encode(PROMPTS[0])  # "The capital of France is"
+    paris = engine.tokenizer.encode(" Paris")[0]
+    the = engine.tokenizer.encode(" the")[0]
+    bias = {paris: -100.0, the: 4.5}
+    got, plain = engine.generate([ids, ids], [greedy(logit_bias=bias), greedy()])
+    ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                            sequence_bias={(t,): b for t, b in bias.items()})
+    assert got == ref[0, len(ids):].tolist()
+    assert paris in plain and paris not in got and plain != got
+    assert_pool_idle(engine)
+
+
+def test_sampling_params_refuse_penalties_and_biases_out_of_range(engine):
     for kw, field in [({"presence_penalty": 2.5}, "presence_penalty"),
                       ({"frequency_penalty": -3}, "frequency_penalty"),
                       ({"repetition_penalty": 0.0}, "repetition_penalty"),
                       ({"repetition_penalty": float("inf")}, "repetition_penalty"),
-                      ({"min_p": 1.5}, "min_p"), ({"min_p": float("nan")}, "min_p")]:
+                      ({"min_p": 1.5}, "min_p"), ({"min_p": float("nan")}, "min_p"),
+                      ({"logit_bias": {5: 100.5}}, "logit_bias"),
+                      ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+                      ({"logit_bias": {5: float("nan")}}, "logit_bias")]:
         with pytest.raises(InvalidSamplingParams) as err:
             SamplingParams(**kw).verify()
         assert err.value.param == field
+    with pytest.raises(InvalidSamplingParams, match="out of the vocabulary") as err:
+        engine.check_request([1, 2], SamplingParams(logit_bias={49152: 1.0}))
+    assert err.value.param == "logit_bias"
+    engine.check_request([1, 2], SamplingParams(logit_bias={49151: -100}))
 
 
 def test_non_ascii_stream_never_splits_a_character(engine):

@@ -92,6 +92,20 @@ def test_penalized_requests_get_no_drafts_and_the_same_output(engines):
     assert spec.num_draft_tokens == drafts
 
 
+def test_logit_bias_applies_to_every_verified_position(engines):
+    """A bias is the same at every position, so speculated requests keep their drafts and
+    the verifier scores each with the bias: the plain engine's output, token for token."""
+    plain, spec = engines
+    ids = [plain.tokenizer.encode(PROMPT)]
+    fig = plain.tokenizer.encode(" fig")[0]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                            logit_bias={fig: -100.0})
+    drafts = spec.num_draft_tokens
+    out = spec.generate(ids, params)
+    assert out == plain.generate(ids, params) and fig not in out
+    assert spec.num_draft_tokens > drafts
+
+
 def test_speculation_respects_max_tokens_and_stop_strings(engines):
     plain, spec = engines
     ids = plain.tokenizer.encode(PROMPT)

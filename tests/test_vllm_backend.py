@@ -222,12 +222,13 @@ def test_sampling_arguments_map_every_field():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=-1, seed=3,
                             stop=["\n"], stop_token_ids=[2], ignore_eos=True, min_tokens=4,
                             logprobs=2, prompt_logprobs=1, presence_penalty=0.5,
-                            frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.1)
+                            frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.1,
+                            logit_bias={5: -1.5})
     assert sampling_arguments(params) == dict(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=0, seed=3, stop=["\n"],
         stop_token_ids=[2], ignore_eos=True, min_tokens=4, logprobs=2, prompt_logprobs=1,
         presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.1,
-        skip_special_tokens=True, include_stop_str_in_output=False)
+        logit_bias={5: -1.5}, skip_special_tokens=True, include_stop_str_in_output=False)
 
 
 def test_what_vllm_validation_refuses_is_an_invalid_sampling_field():

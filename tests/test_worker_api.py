@@ -245,6 +245,18 @@ def test_penalties_are_applied(worker_url):
         assert sampled["choices"][0]["text"] == greedy
 
 
+def test_logit_bias_is_applied(worker_url):
+    """+100 on one token makes greedy decoding repeat it; an empty map changes nothing."""
+    banana = httpx.post(f"{worker_url}/tokenize", json={"prompt": " banana"}).json()["tokens"][0]
+    text = httpx.post(f"{worker_url}/detokenize", json={"tokens": [banana] * 4}).json()["prompt"]
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    got = ok(worker_url, "/v1/completions", {**body, "logit_bias": {str(banana): 100}})
+    assert got["choices"][0]["text"] == text
+    plain = ok(worker_url, "/v1/completions", body)["choices"][0]["text"]
+    assert ok(worker_url, "/v1/completions", {**body, "logit_bias": {}})["choices"][0]["text"] \
+        == plain != text
+
+
 # --------------------------------------------------------------------------- prompts, logprobs
 
 

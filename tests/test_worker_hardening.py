@@ -565,6 +565,8 @@ def _fuzz_strategies():
         "stream": st.booleans(), "ignore_eos": st.booleans(),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
         "priority": st.integers(-10, 10),
+        "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100),
+                                      max_size=3),
     }
     wild = {
         "model": st.one_of(junk, wild_text),

@@ -36,6 +36,8 @@ MAX_LOGPROBS = 20  # most alternatives per position (vLLM's default max_logprobs
 MAX_N = 128  # most choices per prompt (OpenAI's cap)
 MAX_PROMPTS = 2048  # most prompts in one completions request (OpenAI's cap)
 MAX_MESSAGES = 2048  # most messages in one chat request (the same bound)
+MAX_LOGIT_BIAS = 2048  # most logit_bias entries (the same bound: counted before validation)
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range, [-100, 100]
 MAX_CONTENT_PARTS = 64  # most content parts in one message (text only: a few in practice)
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; lm-eval tasks send a few)
 MAX_STOP_CHARS = 256  # characters per stop string: each token checks every tail against them
@@ -252,12 +254,27 @@ class _GenerationRequest(_Lenient):
             raise ValueError("only allowed when stream is true (as OpenAI and vLLM)")
         return value
 
-    @field_validator("logit_bias", mode="before")  # (refused before its items are checked)
+    @field_validator("logit_bias", mode="before")  # (counted before its items are checked)
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:  # refuse rather than silently ignore a constraint the engine cannot apply
-            raise ValueError("logit_bias is not supported by this server")
+    def _bounded_logit_bias(cls, value: Any) -> Any:
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_items(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT32):
+                raise ValueError(f"keys must be token ids (integers as strings), got {key!r}")
+            if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS_VALUE):
+                raise ValueError(f"values must be finite numbers in [-100, 100], got {bias}")
+        return value
+
+    def token_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with token ids as ints; None when empty."""
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias \
+            else None
 
     @field_validator("best_of")
     @classmethod

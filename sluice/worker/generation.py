@@ -87,6 +87,7 @@ def _sampling_params(req: oa.CompletionRequest | oa.ChatCompletionRequest, max_t
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0,
+        logit_bias=req.token_bias(),
     )
 
 

@@ -117,6 +117,7 @@ def sampling_arguments(params: SamplingParams) -> dict[str, Any]:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         min_p=params.min_p,
+        logit_bias=params.logit_bias,
         skip_special_tokens=True,  # as the native detokenizer
         include_stop_str_in_output=False,
     )
@@ -303,6 +304,7 @@ class VLLMEngine:
             self._stop_loop()
             raise
         self.max_model_len = int(self._llm.model_config.max_model_len)
+        self.vocab_size = int(self._llm.model_config.get_vocab_size())
         self._stats.num_total_blocks = int(self._llm.vllm_config.cache_config.num_gpu_blocks
                                            or 0)
         self._stats.snapshot = VLLMStats(num_free_blocks=self._stats.num_total_blocks,
@@ -378,7 +380,7 @@ class VLLMEngine:
         vLLM refuses a KV cache smaller than one ``max_model_len`` request at startup), and
         build vLLM's own SamplingParams, so that what vLLM's validation refuses is refused
         here, before a stream starts (``vllm_sampling_params``)."""
-        check_fits(prompt_token_ids, params, self.max_model_len)
+        check_fits(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs {params.logprobs} is over the maximum {MAX_LOGPROBS}")
         vllm_sampling_params(params)

@@ -48,6 +48,7 @@ class LLMEngine:
             raise ValueError(f"{model_dir}: architecture {archs} is not supported by the native "
                              f"engine (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
         self.tokenizer = load_tokenizer(model_dir)
+        self.vocab_size = int(hf_config.vocab_size)  # the logits' width
         self.model_name = config.served_model_name or model_dir.name
         self.max_model_len = config.max_model_len or min(hf_config.max_position_embeddings,
                                                          DEFAULT_MAX_MODEL_LEN)
@@ -91,7 +92,7 @@ class LLMEngine:
             ValueError: empty prompt, max_tokens < 1, or prompt + max_tokens over the context
                 (which the KV pool always holds: see ``__init__``).
         """
-        check_fits(prompt_token_ids, params, self.max_model_len)
+        check_fits(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     group: str | None = None) -> None:
@@ -211,7 +212,7 @@ class LLMEngine:
         self.proposer.propose(wanted)
 
     def _choose_tokens(self, logits: torch.Tensor, samplers, failed) -> dict[Sequence, list[int]]:
-        logits = self._penalize(self._mask_min_tokens(logits, samplers), samplers)
+        logits = self._penalize(self._logits_processors(logits, samplers), samplers)
         chosen: dict[Sequence, list[int]] = {}
         plain = [(seq, row) for seq, row in samplers if not seq.spec_token_ids]
         if plain:
@@ -236,25 +237,33 @@ class LLMEngine:
                 self.num_accepted_tokens += len(chosen[seq]) - 1
         return chosen
 
-    def _mask_min_tokens(self, logits: torch.Tensor, samplers) -> torch.Tensor:
-        """``logits`` [rows, vocab] with EOS and ``stop_token_ids`` at -inf in the rows that
-        sample a sequence's output tokens 1..``min_tokens`` (vLLM's MinTokensLogitsProcessor;
-        a copy, so logprobs stay the model's own). A sequence's rows are its next token's,
-        then one per draft."""
-        masks, vocab = [], logits.shape[-1]
+    def _logits_processors(self, logits: torch.Tensor, samplers) -> torch.Tensor:
+        """``logits`` [rows, vocab] with each sequence's ``logit_bias`` added, and EOS and
+        ``stop_token_ids`` at -inf in the rows that sample its output tokens 1..``min_tokens``
+        (vLLM's LogitBiasLogitsProcessor and MinTokensLogitsProcessor; a copy, so logprobs
+        stay the model's own). A sequence's rows are its next token's, then one per draft: a
+        bias goes on all of them."""
+        masks, biased, vocab = [], [], logits.shape[-1]
         for seq, row in samplers:
             p = seq.params
+            if p.logit_bias:
+                biased += [(r, t, b) for r in range(row, row + len(seq.spec_token_ids) + 1)
+                           for t, b in p.logit_bias.items()]
             short = p.min_tokens - seq.num_output_tokens
             if short > 0:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 rows = min(short, len(seq.spec_token_ids) + 1)
                 masks += [(r, t) for r in range(row, row + rows) for t in ids if t < vocab]
-        if not masks:
+        if not masks and not biased:
             return logits
-        rows, ids = zip(*masks)
-        masked = logits.clone()
-        masked[list(rows), list(ids)] = float("-inf")
-        return masked
+        processed = logits.clone()
+        if biased:
+            rows, ids, biases = zip(*biased)
+            processed[list(rows), list(ids)] += torch.tensor(biases, dtype=logits.dtype)
+        if masks:
+            rows, ids = zip(*masks)
+            processed[list(rows), list(ids)] = float("-inf")
+        return processed
 
     @staticmethod
     def _penalize(logits: torch.Tensor, samplers) -> torch.Tensor:
@@ -264,7 +273,7 @@ class LLMEngine:
         penalized = [(seq, row) for seq, row in samplers if seq.params.penalized]
         if not penalized:
             return logits
-        logits = logits.contiguous().clone()
+        logits = logits.contiguous().clone()  # (a second copy only with both kinds: rare)
         penalize(logits, [row for _, row in penalized], [seq.params for seq, _ in penalized],
                  [seq.token_ids[:seq.num_prompt_tokens] for seq, _ in penalized],
                  [seq.token_ids[seq.num_prompt_tokens:] for seq, _ in penalized])

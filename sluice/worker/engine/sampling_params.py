@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # smaller sampling temperatures are raised to this (vLLM's _MAX_TEMP)
 MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's upper bound
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 class InvalidSamplingParams(ValueError):
@@ -61,6 +62,8 @@ class SamplingParams:
         min_p: after the temperature, drop tokens whose probability is below ``min_p``
             times the most likely one's, in [0, 1]; 0 disables it (vLLM's; Nguyen et al.
             2024). Logprobs stay the model's own, before any of these.
+        logit_bias: token id -> a number in [-100, 100] added to its logit, before the
+            penalties (OpenAI's; vLLM's LogitBiasLogitsProcessor); None for none.
     """
 
     max_tokens: int = 16
@@ -78,6 +81,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # NaN compares False everywhere and is left for verify() to refuse
@@ -122,6 +126,12 @@ class SamplingParams:
             if not (isinstance(value, (int, float)) and low <= value <= high):  # (NaN fails)
                 raise InvalidSamplingParams(f"{name} must be in [{low:g}, {high:g}], got {value}",
                                             name)
+        for token, bias in (self.logit_bias or {}).items():
+            if not (isinstance(token, int) and token >= 0 and isinstance(bias, (int, float))
+                    and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):  # (NaN fails)
+                raise InvalidSamplingParams(
+                    f"logit_bias maps token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {token!r}: {bias!r}", "logit_bias")
         r = self.repetition_penalty
         if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0.0):
             raise InvalidSamplingParams(
@@ -149,16 +159,23 @@ class SamplingParams:
                                         "stop_token_ids")
 
 
-def check_fits(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> None:
-    """The request rules every engine shares: the sampling parameters (``verify``), then
-    the sizes.
+def check_fits(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
+               vocab_size: int | None = None) -> None:
+    """The request rules every engine shares: the sampling parameters (``verify``), the
+    ``logit_bias`` token ids against the model's ``vocab_size`` (when given), then the sizes.
 
     Raises:
-        InvalidSamplingParams: a sampling parameter out of range (names the field).
+        InvalidSamplingParams: a sampling parameter out of range, or a ``logit_bias`` token
+            id out of the vocabulary (names the field).
         ValueError: empty prompt, max_tokens < 1, or prompt + max_tokens over
             ``max_model_len`` (the message says "N input tokens ... maximum context M").
     """
     params.verify()
+    outside = sorted(t for t in params.logit_bias or {} if vocab_size is not None
+                     and t >= vocab_size)
+    if outside:
+        raise InvalidSamplingParams(f"logit_bias token id {outside[0]} is out of the vocabulary "
+                                    f"(size {vocab_size})", "logit_bias")
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("the prompt is empty")
