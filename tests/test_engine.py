@@ -237,7 +237,7 @@ def test_penalties_exact_values():
                              presence_penalty=0.25),
               SamplingParams(temperature=0.0, frequency_penalty=-1.0),
               SamplingParams(temperature=0.0)]
-    sampler.penalize(logits, [0, 3, 2], params, [[0, 1, 1], [0, 1], [0, 1]],
+    sampler.penalize(logits, [0, 3, 2], params, [torch.tensor(p) for p in ([0, 1, 1], [0, 1], [0, 1])],
                      [[3, 3, 1], [4, 4], [2, 2]])
     assert logits.tolist() == [[1.0, -4.0 - 0.5 - 0.25, 1.0, 2.0 - 1.0 - 0.25, -1.0, 0.5],
                                [2.0, -2.0, 1.0, 4.0, -1.0, 0.5],

@@ -243,12 +243,10 @@ class LLMEngine:
         (vLLM's LogitBiasLogitsProcessor and MinTokensLogitsProcessor; a copy, so logprobs
         stay the model's own). A sequence's rows are its next token's, then one per draft: a
         bias goes on all of them."""
-        masks, biased, vocab = [], [], logits.shape[-1]
+        masks, vocab = [], logits.shape[-1]
+        biased = [(seq, row) for seq, row in samplers if seq.logit_bias is not None]
         for seq, row in samplers:
             p = seq.params
-            if p.logit_bias:
-                biased += [(r, t, b) for r in range(row, row + len(seq.spec_token_ids) + 1)
-                           for t, b in p.logit_bias.items()]
             short = p.min_tokens - seq.num_output_tokens
             if short > 0:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
@@ -257,9 +255,9 @@ class LLMEngine:
         if not masks and not biased:
             return logits
         processed = logits.clone()
-        if biased:
-            rows, ids, biases = zip(*biased)
-            processed[list(rows), list(ids)] += torch.tensor(biases, dtype=logits.dtype)
+        for seq, row in biased:  # (one indexed add a sequence: 2,048 biases cost no more)
+            ids, biases = seq.logit_bias
+            processed[row:row + len(seq.spec_token_ids) + 1, ids] += biases.to(logits.dtype)
         if masks:
             rows, ids = zip(*masks)
             processed[list(rows), list(ids)] = float("-inf")
@@ -275,7 +273,7 @@ class LLMEngine:
             return logits
         logits = logits.contiguous().clone()  # (a second copy only with both kinds: rare)
         penalize(logits, [row for _, row in penalized], [seq.params for seq, _ in penalized],
-                 [seq.token_ids[:seq.num_prompt_tokens] for seq, _ in penalized],
+                 [seq.prompt_token_set for seq, _ in penalized],
                  [seq.token_ids[seq.num_prompt_tokens:] for seq, _ in penalized])
         return logits
 

@@ -74,7 +74,7 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> list[
 
 
 def penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
-             prompt_ids: list[list[int]], output_ids: list[list[int]]) -> None:
+             prompt_ids: list[torch.Tensor], output_ids: list[list[int]]) -> None:
     """Apply requests' penalties to their next tokens' logits, in place (vLLM's
     ``apply_penalties``, in its order): ``repetition_penalty`` r over the tokens of the
     prompt and the output (each once: a positive logit / r, else x r; HF's
@@ -89,20 +89,22 @@ def penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]
 
     Args:
         logits: [N, vocab] fp32, contiguous; modified in place.
-        rows: the rows to penalize; ``params``, ``prompt_ids`` and ``output_ids`` (each
-            sequence's tokens so far) go with them, one per row.
+        rows: the rows to penalize; ``params``, ``prompt_ids`` and ``output_ids`` go with
+            them, one per row.
+        prompt_ids: each row's prompt token ids, [k] int64 (``Sequence.prompt_token_set``:
+            each once, built once, so a long prompt is not converted every step).
+        output_ids: each row's output tokens so far.
     """
     vocab = logits.shape[-1]
     flat = logits.view(-1)
+    outputs = [torch.from_numpy(np.array(o, dtype=np.int64)) for o in output_ids]  # (~3x the
+    # speed of torch.tensor on a list)
 
-    def keys(pairs: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Flat indices into ``logits`` of each (row, its tokens) pair's tokens."""
-        joined: list[int] = []
-        for _, tokens in pairs:
-            joined += tokens
-        tokens = torch.from_numpy(np.array(joined, dtype=np.int64))  # (~3x torch.tensor's speed)
+    def keys(pairs: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """Flat indices into ``logits`` of each (row, its token ids) pair's tokens."""
+        tokens = torch.cat([ids for _, ids in pairs])
         row_of = torch.tensor([row for row, _ in pairs]).repeat_interleave(
-            torch.tensor([len(tokens) for _, tokens in pairs]))
+            torch.tensor([len(ids) for _, ids in pairs]))
         inside = (tokens >= 0) & (tokens < vocab)
         return (row_of * vocab + tokens)[inside]
 
@@ -111,15 +113,15 @@ def penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]
         by_row[rows] = torch.tensor(values, dtype=logits.dtype)
         return by_row
 
-    repeated = [(row, prompt + output) for row, p, prompt, output
-                in zip(rows, params, prompt_ids, output_ids) if p.repetition_penalty != 1.0]
+    repeated = [(row, torch.cat([prompt, output])) for row, p, prompt, output
+                in zip(rows, params, prompt_ids, outputs) if p.repetition_penalty != 1.0]
     if repeated:
         seen = keys(repeated).unique()
         r = per_row([p.repetition_penalty for p in params])[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / r, values * r)
-    counted = [(row, output) for row, p, output in zip(rows, params, output_ids)
-               if output and (p.frequency_penalty or p.presence_penalty)]
+    counted = [(row, output) for row, p, output in zip(rows, params, outputs)
+               if len(output) and (p.frequency_penalty or p.presence_penalty)]
     if counted:
         tokens, counts = keys(counted).unique(return_counts=True)
         row_of = tokens // vocab

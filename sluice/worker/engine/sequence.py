@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 
 import torch
@@ -39,6 +40,8 @@ class Sequence:
         block_table: KV block ids, in order; block i holds tokens [i*bs, (i+1)*bs).
         block_hashes: prefix-cache hashes of the leading full, computed blocks.
         generator: per-request RNG when a seed was given, else None (engine's RNG).
+        logit_bias: the request's ``logit_bias`` as (token ids [k] int64, biases [k] fp32),
+            built once for the sampler to add every step; None without one.
         group: the API request this sequence belongs to (one per prompt and choice share
             it); the scheduler shares slots fairly between groups. Defaults to request_id.
         error: why it finished with FINISHED_ERROR, else None.
@@ -61,11 +64,19 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.detokenizer = detokenizer
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.logit_bias = None if not params.logit_bias else (
+            torch.tensor(list(params.logit_bias), dtype=torch.long),
+            torch.tensor(list(params.logit_bias.values()), dtype=torch.float32))
         self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self._num_sent_tokens = 0
         self._pending_logprobs: list[TokenLogprob] = []
         self._prompt_logprobs_sent = False
+
+    @functools.cached_property
+    def prompt_token_set(self) -> torch.Tensor:
+        """The prompt's distinct token ids, [k] int64: repetition_penalty's, built once."""
+        return torch.tensor(self.token_ids[:self.num_prompt_tokens], dtype=torch.long).unique()
 
     @property
     def num_tokens(self) -> int:
