@@ -114,6 +114,11 @@ CASES = [
      {"prompt": "hi", "frequency_penalty": -2.5}, "frequency_penalty"),
     ("repetition_penalty-zero", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0},
      "repetition_penalty"),
+    # (a positive logit divided by 1e-45 in fp32 is inf: it was a 500, "no mass")
+    ("repetition_penalty-tiny", "/v1/completions",
+     {"prompt": "hi", "repetition_penalty": 1e-45, "temperature": 1}, "repetition_penalty"),
+    ("repetition_penalty-huge", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1e39},
+     "repetition_penalty"),
     ("n-over-128", "/v1/completions", {"prompt": "hi", "n": 129}, "n"),
     ("chat-n-over-128", "/v1/chat/completions", {"messages": MSGS, "n": 129}, "n"),
     ("prompts-over-2048", "/v1/completions", {"prompt": ["hi"] * 2049}, "prompt"),
@@ -262,10 +267,19 @@ def test_lone_surrogate_is_400_naming_the_field(worker_url):
             ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800"}]}',
              "messages[0].content"),
             ("/v1/completions", '{"model": "%s", "prompt": "\\udfff"}', "prompt"),
-            ("/tokenize", '{"model": "%s", "prompt": "\\udfff"}', "prompt")):
+            ("/tokenize", '{"model": "%s", "prompt": "\\udfff"}', "prompt"),
+            ("/v1/completions", '{"model": "%s", "prompt": "\\uD83D"}', "prompt")):
         r = post(worker_url, path, None, content=(body % MODEL).encode(),
                  headers={"content-type": "application/json"})
         assert_error(r, 400, field)
+    # no escape: a surrogate's own bytes (json.loads decodes UTF-8 with surrogatepass), and
+    # a UTF-16 body (json.loads detects it)
+    raw = b'{"model": "%s", "prompt": "a\xed\xa0\x80"}' % MODEL.encode()
+    utf16 = ('{"model": "%s", "prompt": "\ud800"}' % MODEL).encode("utf-16", "surrogatepass")
+    for content in (raw, utf16):
+        r = post(worker_url, "/v1/completions", None, content=content,
+                 headers={"content-type": "application/json"})
+        assert_error(r, 400, "prompt")
     assert post(worker_url, "/v1/completions", {"model": MODEL, "prompt": "ok", "max_tokens": 1}).status_code == 200
 
 

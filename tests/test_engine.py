@@ -279,6 +279,8 @@ def test_sampling_params_refuse_penalties_and_biases_out_of_range(engine):
                       ({"frequency_penalty": -3}, "frequency_penalty"),
                       ({"repetition_penalty": 0.0}, "repetition_penalty"),
                       ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+                      ({"repetition_penalty": 1e-45}, "repetition_penalty"),
+                      ({"repetition_penalty": 101}, "repetition_penalty"),
                       ({"min_p": 1.5}, "min_p"), ({"min_p": float("nan")}, "min_p"),
                       ({"logit_bias": {5: 100.5}}, "logit_bias"),
                       ({"logit_bias": {-1: 1.0}}, "logit_bias"),

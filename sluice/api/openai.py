@@ -43,6 +43,8 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4; lm-eval tasks send a
 MAX_STOP_CHARS = 256  # characters per stop string: each token checks every tail against them
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
 MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's upper bound
+# repetition_penalty's range (vLLM only asks > 0): 1e-45 made an fp32 logit / it infinite
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_INT32 = 2**31 - 1
 LOGPROB_FLOOR = -9999.0  # stands in for -inf, which JSON cannot carry
 
@@ -215,7 +217,8 @@ class _GenerationRequest(_Lenient):
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY,
+                                             le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: str | Annotated[list[str], FAIL_FAST] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)

@@ -478,8 +478,19 @@ async def _json(request: Request, limit: int) -> Any:
     except (ValueError, RecursionError) as exc:
         raise oa.APIError(400, f"request body is not valid JSON: {type(exc).__name__}: {exc}",
                           code="json_invalid") from None
-    _check_unicode(data, "")
+    if _may_hold_surrogates(body):
+        _check_unicode(data, "")
     return data
+
+
+def _may_hold_surrogates(body: bytes) -> bool:
+    """Whether ``json.loads(body)`` can hold a lone surrogate: only from a ``\\uD800``-
+    ``\\uDFFF`` escape, the bytes ED A0-BF of one in UTF-8 (json decodes with surrogatepass:
+    ED also leads Hangul, so those bodies are walked too), or a UTF-16/32 body. Other
+    bodies skip ``_check_unicode``'s walk, which took 0.8 s of the event loop over a 10 MB
+    body of 600k items."""
+    return (not json.detect_encoding(body).startswith("utf-8")
+            or b"\\ud" in body or b"\\uD" in body or b"\xed" in body)
 
 
 def _check_unicode(value: Any, path: str) -> None:

@@ -84,7 +84,7 @@ def penalize(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]
 
     Only the logits of tokens a sequence holds change, so only those are read and written
     (one gather and one scatter for the batch): 64 rows of 128 prompt and 64 output tokens
-    take ~3 ms here, against 20 ms with a pass over the vocabulary per row (~13 % of an
+    take ~2.4 ms here, against 20 ms with a pass over the vocabulary per row (~13 % of an
     int8 decode step at C = 64).
 
     Args:

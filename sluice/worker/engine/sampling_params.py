@@ -18,6 +18,9 @@ SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # smaller sampling temperatures are raised to this (vLLM's _MAX_TEMP)
 MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's upper bound
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+# repetition_penalty's range (vLLM only asks > 0): a positive fp32 logit divided by 1e-45 is
+# inf, and the row had no probability mass left (a 500)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class InvalidSamplingParams(ValueError):
@@ -58,7 +61,7 @@ class SamplingParams:
             it, in [-2, 2]; 0 disables it.
         repetition_penalty: a token of the prompt or the output has a positive logit divided
             by it, a negative one multiplied (Keskar et al. 2019, CTRL; HF's and vLLM's);
-            > 0, 1 disables it.
+            in [0.01, 100], 1 disables it.
         min_p: after the temperature, drop tokens whose probability is below ``min_p``
             times the most likely one's, in [0, 1]; 0 disables it (vLLM's; Nguyen et al.
             2024). Logprobs stay the model's own, before any of these.
@@ -133,10 +136,11 @@ class SamplingParams:
                     f"logit_bias maps token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, "
                     f"{MAX_LOGIT_BIAS:g}], got {token!r}: {bias!r}", "logit_bias")
         r = self.repetition_penalty
-        if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0.0):
+        if not (isinstance(r, (int, float))
+                and MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY):  # (NaN fails)
             raise InvalidSamplingParams(
-                f"repetition_penalty must be a finite number above 0, got {r}",
-                "repetition_penalty")
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}], got {r}", "repetition_penalty")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise InvalidSamplingParams(
                 f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
