@@ -351,6 +351,25 @@ def test_logprobs_match_hf(engine, hf_model):
         assert prompt_lps[p].logprob == pytest.approx(ref[p - 1][ids[p]].item(), abs=1e-3)
 
 
+
+def test_logprobs_stay_the_models_own_under_penalties_and_bias(engine, hf_model):
+    """Penalties and logit_bias change the choice, not the logprobs reported (vLLM's
+    default: the model's raw distribution): alone, and together (one copy of the logits)."""
+    ids = engine.tokenizer.encode(REPETITIVE[1])
+    banana = engine.tokenizer.encode(" banana")[0]
+    for extra in ({"repetition_penalty": 1.5}, {"logit_bias": {banana: 8.0}},
+                  {"frequency_penalty": 1.0, "logit_bias": {banana: 8.0}, "min_tokens": 2}):
+        outs = _run(engine, ids, greedy(max_tokens=6, logprobs=1, **extra))
+        lps = [lp for o in outs for lp in o.new_logprobs]
+        tokens = [lp.token_id for lp in lps]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids + tokens])).logits[0].float(), -1)
+        for i, lp in enumerate(lps):
+            assert lp.logprob == pytest.approx(ref[len(ids) - 1 + i][lp.token_id].item(),
+                                               abs=1e-3), extra
+    assert_pool_idle(engine)
+
+
 def test_abort_frees_blocks_within_one_step(engine):
     ids = engine.tokenizer.encode(PROMPTS[5])
     engine.add_request("long", ids, greedy(max_tokens=200, ignore_eos=True))

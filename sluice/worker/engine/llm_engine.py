@@ -212,7 +212,8 @@ class LLMEngine:
         self.proposer.propose(wanted)
 
     def _choose_tokens(self, logits: torch.Tensor, samplers, failed) -> dict[Sequence, list[int]]:
-        logits = self._penalize(self._logits_processors(logits, samplers), samplers)
+        processed = self._logits_processors(logits, samplers)
+        logits = self._penalize(processed, samplers, copy=processed is logits)
         chosen: dict[Sequence, list[int]] = {}
         plain = [(seq, row) for seq, row in samplers if not seq.spec_token_ids]
         if plain:
@@ -264,14 +265,15 @@ class LLMEngine:
         return processed
 
     @staticmethod
-    def _penalize(logits: torch.Tensor, samplers) -> torch.Tensor:
+    def _penalize(logits: torch.Tensor, samplers, copy: bool) -> torch.Tensor:
         """``logits`` [rows, vocab] with each penalized sequence's row penalized
-        (``sampler.penalize``; a copy, so logprobs stay the model's own). A penalized
-        sequence has no drafts (``_propose``): one row."""
+        (``sampler.penalize``), in place unless ``copy`` (the model's own logits, which
+        logprobs read). A penalized sequence has no drafts (``_propose``): one row."""
         penalized = [(seq, row) for seq, row in samplers if seq.params.penalized]
         if not penalized:
             return logits
-        logits = logits.contiguous().clone()  # (a second copy only with both kinds: rare)
+        if copy or not logits.is_contiguous():
+            logits = logits.clone(memory_format=torch.contiguous_format)
         penalize(logits, [row for _, row in penalized], [seq.params for seq, _ in penalized],
                  [seq.prompt_token_set for seq, _ in penalized],
                  [seq.token_ids[seq.num_prompt_tokens:] for seq, _ in penalized])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 SAMPLING_EPS = 1e-5  # temperatures below are greedy (vLLM's _SAMPLING_EPS)
 MIN_TEMPERATURE = 1e-2  # smaller sampling temperatures are raised to this (vLLM's _MAX_TEMP)
 MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's upper bound
-MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's bound on a logit_bias value (the API checks it too)
 # repetition_penalty's range (vLLM only asks > 0): a positive fp32 logit divided by 1e-45 is
 # inf, and the row had no probability mass left (a 500)
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
@@ -131,10 +131,10 @@ class SamplingParams:
                                             name)
         for token, bias in (self.logit_bias or {}).items():
             if not (isinstance(token, int) and token >= 0 and isinstance(bias, (int, float))
-                    and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):  # (NaN fails)
+                    and -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE):  # (NaN fails)
                 raise InvalidSamplingParams(
-                    f"logit_bias maps token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, "
-                    f"{MAX_LOGIT_BIAS:g}], got {token!r}: {bias!r}", "logit_bias")
+                    f"logit_bias maps token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, "
+                    f"{MAX_LOGIT_BIAS_VALUE:g}], got {token!r}: {bias!r}", "logit_bias")
         r = self.repetition_penalty
         if not (isinstance(r, (int, float))
                 and MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY):  # (NaN fails)
