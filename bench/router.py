@@ -22,7 +22,14 @@
    i mod G, and with G a multiple of the replicas round-robin would get perfect affinity
    by accident.
 
-    .venv/bin/python bench/router.py [--only overhead|quality] [--num-requests N] ...
+3. Polling. The router polls every worker's /health, /v1/models and /metrics each
+   ``--poll-interval`` (1 s). The CPU of one poll round over ``--poll-endpoints`` N
+   endpoints (null workers listening on 127.0.0.1-127.0.0.250, as many ports as N needs):
+   the router's own poller (``EndpointSet.poll`` on its upstream client), side by side with
+   an ``httpx.AsyncClient`` asking the same three GETs of each (the general client the
+   poller used before 2026-12-06), both on uvloop in this process.
+
+    .venv/bin/python bench/router.py [--only overhead|quality|poll] [--num-requests N] ...
 
 Prints tables and writes JSON (default bench/results/router.json).
 """
@@ -76,12 +83,13 @@ def load_average() -> list[float]:
 
 # ---------------------------------------------------------------------------- null worker
 
-def serve_null(port: int, tokens: int, model: str, gap_ms: float = 0.0) -> None:
+def serve_null(port: int, tokens: int, model: str, gap_ms: float = 0.0, hosts: int = 1) -> None:
     """An OpenAI-shaped upstream with no model: /health, /v1/models, /metrics, and
     POST /v1/completions or /v1/chat/completions answered at once (``tokens`` SSE chunks
     when streaming, one JSON body otherwise). Raw asyncio HTTP/1.1 with keep-alive.
     ``gap_ms`` > 0 (tests): a stream is sent as it would be generated instead, one event per
-    HTTP chunk (chunked transfer encoding), ``gap_ms`` apart."""
+    HTTP chunk (chunked transfer encoding), ``gap_ms`` apart. It listens on ``port`` of
+    127.0.0.1 to 127.0.0.``hosts`` (Linux routes all of 127/8 to the loopback)."""
     models = json.dumps({"object": "list", "data": [
         {"id": model, "object": "model", "owned_by": "sluice", "max_model_len": 8192}]})
 
@@ -139,7 +147,8 @@ def serve_null(port: int, tokens: int, model: str, gap_ms: float = 0.0) -> None:
             writer.close()
 
     async def main() -> None:
-        server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
+        server = await asyncio.start_server(
+            handle, [f"127.0.0.{i}" for i in range(1, hosts + 1)], port, backlog=1024)
         async with server:
             await server.serve_forever()
 
@@ -227,6 +236,76 @@ def bench(url: str, model: str, tokenizer: Path, out: Path, *args: str) -> dict:
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"sluice bench failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(out.read_text())["summary"]
+
+
+# ---------------------------------------------------------------------------- 3. polling
+
+HOSTS_PER_NULL = 250  # 127.0.0.1-127.0.0.250 on each null worker's port
+POLL_PATHS = ("/health", "/v1/models", "/metrics")
+
+
+def poll_cost(args, tmp: Path) -> dict:
+    """CPU seconds of one poll round, per endpoint count: sluice's poller and httpx."""
+    import uvloop
+
+    from sluice.router.endpoints import EndpointSet
+    from sluice.router.upstream import Upstream
+
+    nulls, ports = [], []
+    result: dict = {"rounds": args.poll_rounds, "rows": []}
+    try:
+        for i in range(math.ceil(max(args.poll_endpoints) / HOSTS_PER_NULL)):
+            ports.append(free_port())
+            nulls.append(Proc([PYTHON, __file__, "--serve-null", str(ports[-1]),
+                               "--null-hosts", str(HOSTS_PER_NULL)], tmp / f"null-{i}.log"))
+        for port, null in zip(ports, nulls):
+            null.ready(f"http://127.0.0.1:{port}/health", 30)
+
+        def urls(n: int) -> list[str]:
+            return [f"http://127.0.0.{1 + i % HOSTS_PER_NULL}:{ports[i // HOSTS_PER_NULL]}"
+                    for i in range(n)]
+
+        async def sluice_round(n: int) -> float:
+            endpoints = EndpointSet(urls(n))
+            client = Upstream(2.0, 60.0, 4.0)
+            try:
+                await endpoints.poll(client)  # connections opened, models learnt
+                if len(endpoints.ready_for(store.DEFAULT_MODEL)) != n:
+                    raise RuntimeError("not every null endpoint answered the poller")
+                start = time.process_time()
+                for _ in range(args.poll_rounds):
+                    for endpoint in endpoints:
+                        endpoint.next_poll = 0.0
+                    await endpoints.poll(client)
+                return (time.process_time() - start) / args.poll_rounds
+            finally:
+                await client.close()
+
+        async def httpx_round(n: int) -> float:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            async with httpx.AsyncClient(timeout=2.0, limits=limits) as client:
+
+                async def one(url: str) -> None:
+                    for path in POLL_PATHS:
+                        (await client.get(url + path)).raise_for_status()
+
+                await asyncio.gather(*(one(u) for u in urls(n)))
+                rounds = max(1, args.poll_rounds * min(1, 100 // n))  # (1,000: one round)
+                start = time.process_time()
+                for _ in range(rounds):
+                    await asyncio.gather(*(one(u) for u in urls(n)))
+                return (time.process_time() - start) / rounds
+
+        for n in args.poll_endpoints:
+            ours = uvloop.run(sluice_round(n))
+            theirs = uvloop.run(httpx_round(n))
+            result["rows"].append({"endpoints": n, "sluice_cpu_ms_per_round": ours * 1e3,
+                                   "httpx_cpu_ms_per_round": theirs * 1e3,
+                                   "httpx_vs_sluice": theirs / ours})
+    finally:
+        for null in nulls:
+            null.stop()
+    return result
 
 
 # ---------------------------------------------------------------------------- 1. overhead
@@ -477,6 +556,17 @@ def print_tables(result: dict) -> None:
                 print(f"{what}: {over['summary'][key]:.2f}x")
         if not over.get("vllm_router", {}).get("ran", True):
             print(f"vllm-router: not run: {over['vllm_router']['why']}")
+    poll = result.get("poll")
+    if poll:
+        print(f"\nPolling: CPU of one round of {', '.join(POLL_PATHS)} per endpoint "
+              f"(mean of {poll['rounds']} rounds; one round a second by default)")
+        print(f"{'endpoints':>9} {'sluice ms':>10} {'ms/endpoint':>12} {'httpx ms':>10} "
+              f"{'httpx/sluice':>13}")
+        for row in poll["rows"]:
+            n = row["endpoints"]
+            print(f"{n:>9} {row['sluice_cpu_ms_per_round']:>10.1f} "
+                  f"{row['sluice_cpu_ms_per_round'] / n:>12.3f} "
+                  f"{row['httpx_cpu_ms_per_round']:>10.1f} {row['httpx_vs_sluice']:>12.1f}x")
     qual = result.get("quality")
     if qual:
         print(f"\nRouting quality: {qual['replicas']} workers, KV {qual['kv_cache_gib']} GiB each, "
@@ -496,7 +586,7 @@ def print_tables(result: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", choices=("overhead", "quality"))
+    p.add_argument("--only", choices=("overhead", "quality", "poll"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "router.json"))
     p.add_argument("--merge", action="store_true",
                    help="keep the other part's results already in --out (with --only)")
@@ -520,10 +610,15 @@ def main() -> int:
     g.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     g.add_argument("--quality-rounds", type=int, default=2,
                    help="rounds over the policies, alternating order; figures are means")
+    g = p.add_argument_group("poll")
+    g.add_argument("--poll-endpoints", type=int, nargs="+", default=[10, 100, 1000])
+    g.add_argument("--poll-rounds", type=int, default=5)
     p.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--null-hosts", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_null:
-        serve_null(args.serve_null, args.null_tokens, store.DEFAULT_MODEL, args.null_gap_ms)
+        serve_null(args.serve_null, args.null_tokens, store.DEFAULT_MODEL, args.null_gap_ms,
+                   args.null_hosts)
         return 0
     model = store.fetch(store.DEFAULT_MODEL)
     result: dict = {"model": model.name, "cpus": os.cpu_count(), "load_average": load_average(),
@@ -533,16 +628,18 @@ def main() -> int:
             result["overhead"] = overhead(args, model, Path(tmp))
         if args.only in (None, "quality"):
             result["quality"] = quality(args, model, Path(tmp))
+        if args.only in (None, "poll"):
+            result["poll"] = poll_cost(args, Path(tmp))
     result["load_average_end"] = load_average()
     print_tables(result)
     out = Path(args.out)
     if args.merge and args.only and out.exists():
         previous = json.loads(out.read_text())
-        other = "quality" if args.only == "overhead" else "overhead"
-        if other in previous:
-            result[other] = previous[other]
-            result[f"{other}_settings"] = previous.get(f"{other}_settings",
-                                                      previous.get("settings"))
+        for other in {"overhead", "quality", "poll"} - {args.only}:
+            if other in previous:
+                result[other] = previous[other]
+                result[f"{other}_settings"] = previous.get(f"{other}_settings",
+                                                          previous.get("settings"))
     result[f"{args.only or 'all'}_settings"] = result["settings"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

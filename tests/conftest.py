@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -46,6 +50,39 @@ def wait_healthy(url: str, proc, timeout: float) -> str | None:
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
+
+
+@asynccontextmanager
+async def http_stub(answer: Callable[[str], tuple[int, Any]]) -> AsyncIterator[str]:
+    """A real HTTP/1.1 server on 127.0.0.1, in the running event loop, for the endpoint
+    poller's GETs: ``answer(path)`` gives each one's status and JSON body (None: empty).
+    Yields its base URL."""
+
+    handlers: set[asyncio.Task] = set()
+
+    async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.add(asyncio.current_task())
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                status, obj = answer(head.split(b" ", 2)[1].decode())
+                body = b"" if obj is None else json.dumps(obj).encode()
+                writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (status, len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(reply, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        for task in handlers:  # (connections kept alive by the client under test)
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
 
 @contextmanager

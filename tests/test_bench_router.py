@@ -52,7 +52,8 @@ def test_router_bench_tiny(tmp_path):
          "--overhead-requests", "10", "--throughput-concurrency", "4", "--replicas", "2",
          "--num-requests", "4", "--rate", "2", "--prefix-groups", "2", "--prefix-tokens", "64",
          "--input-len", "8", "--output-len", "2", "--kv-cache-gib", "0.05",
-         "--policies", "round-robin", "slo", "--quality-rounds", "1"],
+         "--policies", "round-robin", "slo", "--quality-rounds", "1",
+         "--poll-endpoints", "3", "--poll-rounds", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"wrote {out}" in proc.stdout
@@ -63,6 +64,8 @@ def test_router_bench_tiny(tmp_path):
     vllm = result["overhead"]["vllm_router"]
     assert vllm["ran"] == ("vllm-router" in summary) and (vllm["ran"] or vllm["why"])
     assert vllm["ran"] == ("vllm-router-cache-aware" in summary)
+    assert [row["endpoints"] for row in result["poll"]["rows"]] == [3]
+    assert result["poll"]["rows"][0]["sluice_cpu_ms_per_round"] > 0
     quality = result["quality"]
     assert quality["prefix_groups"] == 3  # 2 is not coprime with 2 replicas
     for policy in ("round-robin", "slo"):

@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import free_port, serve
+from conftest import free_port, http_stub, serve
 from test_worker_api import abort_deadline
 from sluice.api import metrics as names
 from sluice.models import store
 from sluice.router.endpoints import BOOT_GRACE_S, Endpoint, EndpointSet, Lease
 from sluice.router.policy import LeastLoadPolicy, RoutingRequest, least_load, make_policy
+from sluice.router.upstream import Upstream
 
 MODEL = store.DEFAULT_MODEL
 slow = pytest.mark.slow  # starts model-loading processes
@@ -79,51 +80,60 @@ def test_concurrent_choices_spread_with_leases():
     assert [e.in_flight for e in eps] == [0, 0]
 
 
-def fake_workers(table: dict[str, tuple[int, list[str]] | None]) -> httpx.AsyncClient:
-    """An httpx client whose transport answers /health and /v1/models per host; a host mapped
-    to None refuses connections. (For the poller's bookkeeping only; the proxy is tested
-    against real workers below.)"""
+@contextlib.asynccontextmanager
+async def fake_workers(table: dict[str, tuple[int, list[str]] | None]):
+    """Real HTTP servers on 127.0.0.1 that answer /health and /v1/models as ``table`` says
+    (read at each request); a name mapped to None is a port nobody listens on. Yields the
+    name → URL map and the router's client. (For the poller's bookkeeping only; the proxy
+    is tested against real workers below.)"""
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        entry = table[request.url.host]
-        if entry is None:
-            raise httpx.ConnectError("refused", request=request)
-        status, models = entry
-        if request.url.path == "/health":
-            return httpx.Response(status)
-        return httpx.Response(200, json={"object": "list", "data": [
-            {"id": m, "object": "model"} for m in models]})
+    def answer(name: str):
+        def reply(path: str) -> tuple[int, object]:
+            status, models = table[name]
+            if path == "/health":
+                return status, None
+            return 200, {"object": "list", "data": [{"id": m, "object": "model"} for m in models]}
+        return reply
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {name: f"http://127.0.0.1:{free_port()}" if entry is None
+                else await stack.enter_async_context(http_stub(answer(name)))
+                for name, entry in table.items()}
+        client = Upstream(1.0, 2.0, 4.0)
+        try:
+            yield urls, client
+        finally:
+            await client.close()
 
 
 def test_poll_learns_readiness_models_and_backs_off(caplog):
     table = {"a": (200, [MODEL]), "b": (503, [MODEL]), "c": None}
-    endpoints = EndpointSet(["http://c/", "http://a", "http://b", "http://a/"])
-    assert [e.url for e in endpoints] == ["http://a", "http://b", "http://c"]
 
     async def scenario():
-        async with fake_workers(table) as client:
+        async with fake_workers(table) as (url, client):
+            a, b, c = url["a"], url["b"], url["c"]
+            endpoints = EndpointSet([c + "/", a, b, a + "/"])
+            assert [e.url for e in endpoints] == sorted([a, b, c])
             assert endpoints.serves(MODEL) is False and not endpoints.any_models_known()
             await endpoints.poll(client)
-            assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a"]
+            assert [e.url for e in endpoints.ready_for(MODEL)] == [a]
             assert endpoints.serves(MODEL) and not endpoints.serves("other")
             assert [m["id"] for m in endpoints.model_entries()] == [MODEL]
-            c = list(endpoints)[2]  # booting: never ready since listed, so not backed off
-            assert c.failures == 0 and c.booting(time.monotonic())
-            assert c.next_poll <= time.monotonic()
+            c_ = next(e for e in endpoints if e.url == c)  # booting: never ready since
+            assert c_.failures == 0 and c_.booting(time.monotonic())  # listed, so not
+            assert c_.next_poll <= time.monotonic()                  # backed off
             assert "unreachable" not in caplog.text  # starting is not failing
-            c.listed_at -= BOOT_GRACE_S  # past its boot grace: an unreachable worker
+            c_.listed_at -= BOOT_GRACE_S  # past its boot grace: an unreachable worker
             await endpoints.poll(client)
-            assert c.failures == 1 and c.next_poll > time.monotonic()
-            assert caplog.text.count("worker http://c unreachable") == 1
+            assert c_.failures == 1 and c_.next_poll > time.monotonic()
+            assert caplog.text.count(f"worker {c} unreachable: ConnectFailed") == 1
             table["b"] = (200, [MODEL, "other"])
             await endpoints.poll(client)  # c is not due: backed off
-            assert c.failures == 1
-            assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a", "http://b"]
+            assert c_.failures == 1
+            assert [e.url for e in endpoints.ready_for(MODEL)] == sorted([a, b])
             assert [m["id"] for m in endpoints.model_entries()] == [MODEL, "other"]
-            endpoints.mark_down(list(endpoints)[0], "test")
-            assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://b"]
+            endpoints.mark_down(next(e for e in endpoints if e.url == a), "test")
+            assert [e.url for e in endpoints.ready_for(MODEL)] == [b]
             await endpoints.poll(client)  # a poll brings it back
             assert len(endpoints.ready_for(MODEL)) == 2
 

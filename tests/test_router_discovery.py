@@ -20,10 +20,11 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from conftest import free_port, serve
+from conftest import free_port, http_stub, serve
 from sluice.api.service import served_model
 from sluice.router.discovery import Discovered, Reflector, discovered, ready_urls
 from sluice.router.endpoints import EndpointSet, Lease
+from sluice.router.upstream import Upstream
 
 MODEL = "tiny-model"
 
@@ -143,27 +144,35 @@ def test_sync_lists_unlists_and_forgets_after_the_last_request():
     assert endpoints.any_models_known() and not endpoints.any_ready()
 
 
-def test_unlisted_endpoints_are_not_polled():
-    endpoints = EndpointSet()
-    endpoints.sync(["http://a", "http://b"], [MODEL])
-    seen = []
+def _ready_worker(seen: list[str] | None = None):
+    """``http_stub``'s answers of a ready worker serving MODEL; each path goes to ``seen``."""
+    def answer(path: str) -> tuple[int, object]:
+        if seen is not None:
+            seen.append(path)
+        if path == "/health":
+            return 200, {"status": "ok"}
+        return 200, {"object": "list", "data": [{"id": MODEL}]}
+    return answer
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(str(request.url))
-        if request.url.path == "/health":
-            return httpx.Response(200, json={"status": "ok"})
-        return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL}]})
+
+def test_unlisted_endpoints_are_not_polled():
+    seen_a, seen_b = [], []
 
     async def scenario():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with http_stub(_ready_worker(seen_a)) as a, http_stub(_ready_worker(seen_b)) as b:
+            endpoints = EndpointSet()
+            endpoints.sync([a, b], [MODEL])
+            client = Upstream(1.0, 2.0, 4.0)
             await endpoints.poll(client)
-            assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a", "http://b"]
-            Lease(list(endpoints)[0], 0.0, 0.0)
-            endpoints.sync(["http://b"], [MODEL])
-            seen.clear()
+            assert [e.url for e in endpoints.ready_for(MODEL)] == sorted([a, b])
+            Lease(next(e for e in endpoints if e.url == a), 0.0, 0.0)
+            endpoints.sync([b], [MODEL])
+            seen_a.clear()
+            seen_b.clear()
             await endpoints.poll(client)
-            assert sorted(seen) == ["http://b/health", "http://b/metrics", "http://b/v1/models"]
-            assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://b"]
+            assert seen_a == [] and sorted(seen_b) == ["/health", "/metrics", "/v1/models"]
+            assert [e.url for e in endpoints.ready_for(MODEL)] == [b]
+            await client.close()
 
     asyncio.new_event_loop().run_until_complete(scenario())
 
@@ -173,26 +182,23 @@ def test_a_newly_listed_endpoint_is_polled_at_once():
     next poll interval (30 s here)."""
     endpoints = EndpointSet(poll_interval=30.0)
 
-    async def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":
-            return httpx.Response(200, json={"status": "ok"})
-        return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL}]})
-
     async def scenario():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with http_stub(_ready_worker()) as a:
+            client = Upstream(1.0, 2.0, 4.0)
             poller = asyncio.create_task(endpoints.poll_forever(client))
             await asyncio.sleep(0.05)                    # the first (empty) poll is done
-            endpoints.sync(["http://a"], [MODEL])
+            endpoints.sync([a], [MODEL])
             started = time.monotonic()
             while not endpoints.ready_for(MODEL) and time.monotonic() - started < 5:
                 await asyncio.sleep(0.01)
             waited = time.monotonic() - started
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
-            return waited
+            await client.close()
+            return a, waited
 
-    waited = asyncio.new_event_loop().run_until_complete(scenario())
-    assert [e.url for e in endpoints.ready_for(MODEL)] == ["http://a"] and waited < 2
+    a, waited = asyncio.new_event_loop().run_until_complete(scenario())
+    assert [e.url for e in endpoints.ready_for(MODEL)] == [a] and waited < 2
 
 
 # ------------------------------------------------------------------ the list/watch loop

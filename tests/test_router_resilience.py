@@ -25,6 +25,7 @@ import pytest
 
 from conftest import free_port, serve
 from sluice.api import metrics as names
+from sluice.router.upstream import Upstream
 from test_router import (MODEL, health, metric, ready_workers, serve_router, successes,
                          wait_until)
 
@@ -284,25 +285,26 @@ def test_scale_ups_teach_the_expected_boot_and_the_startup_fleet_does_not(tmp_pa
     async def scenario(first: FakeWorker, added: FakeWorker) -> tuple:
         publish([first.url])
         endpoints = EndpointSet(poll_interval=5.0, workers_file=str(workers_file))
-        async with httpx.AsyncClient() as client:
-            poller = asyncio.create_task(endpoints.poll_forever(client))
-            try:
-                while not endpoints.ready_for(MODEL):
-                    await asyncio.sleep(0.05)
-                before = endpoints.boot_s
-                added.health = 503
-                publish([first.url, added.url])
-                listed = time.monotonic()
-                await asyncio.sleep(0.4)
-                booting = endpoints.ready_in_s(MODEL, time.monotonic())
-                await asyncio.sleep(0.4)
-                added.health = 200
-                while len(endpoints.ready_for(MODEL)) < 2:
-                    await asyncio.sleep(0.05)
-                return before, booting, endpoints.boot_s, time.monotonic() - listed
-            finally:
-                poller.cancel()
-                await asyncio.gather(poller, return_exceptions=True)
+        client = Upstream(1.0, 2.0, 4.0)
+        poller = asyncio.create_task(endpoints.poll_forever(client))
+        try:
+            while not endpoints.ready_for(MODEL):
+                await asyncio.sleep(0.05)
+            before = endpoints.boot_s
+            added.health = 503
+            publish([first.url, added.url])
+            listed = time.monotonic()
+            await asyncio.sleep(0.4)
+            booting = endpoints.ready_in_s(MODEL, time.monotonic())
+            await asyncio.sleep(0.4)
+            added.health = 200
+            while len(endpoints.ready_for(MODEL)) < 2:
+                await asyncio.sleep(0.05)
+            return before, booting, endpoints.boot_s, time.monotonic() - listed
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+            await client.close()
 
     with fakes(2) as (first, added):
         before, booting, learnt, took = asyncio.run(scenario(first, added))

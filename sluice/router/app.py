@@ -17,7 +17,7 @@ A worker that fails (a poll cannot reach it or finds it unhealthy, a request to 
 or loses its connection) is ejected: every request waiting there for its first byte goes to
 another worker at once, rather than wait out a timeout (``sluice.router.endpoints``). A
 kept-alive connection that the worker closed just as a request was written is not a failure:
-the request is written again on another connection (``sluice.router.proxy.post``); the
+the request is written again on another connection (``sluice.router.upstream``); the
 router's idle keep-alive (4 s) stays below the worker's (uvicorn's 5 s), so that is rare.
 
 With ``--api-keys FILE`` every /v1 route needs ``Authorization: Bearer KEY``; each key's
@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -145,7 +144,6 @@ class RouterState:
     endpoints: EndpointSet
     dispatcher: Dispatcher
     metrics: RouterMetrics
-    client: httpx.AsyncClient  # polls
     upstream: Upstream  # the proxy path's connections
     keys: KeyRing | None = None  # --api-keys
     tenants: TenantLimits = field(default_factory=TenantLimits)
@@ -449,44 +447,44 @@ def create_app(config: RouterConfig) -> RouterApp:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        timeout = httpx.Timeout(connect=config.connect_timeout, read=config.read_timeout,
-                                write=config.connect_timeout, pool=config.connect_timeout)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         upstream = Upstream(config.connect_timeout, config.read_timeout,
                             config.keepalive_timeout)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval,
-                                    workers_file=config.workers_file, boot_s=config.boot_s)
-            endpoints.cascades = dict(cascades)
-            metrics = RouterMetrics()
-            dispatcher = Dispatcher(endpoints, config.dispatch, metrics)
-            metrics.registry.register(DemandCollector(dispatcher.demand_snapshot))
-            endpoints.on_polled = dispatcher.tick
-            endpoints.on_ejected = lambda reason: metrics.ejections.labels(reason).inc()
-            tenants = TenantLimits()
-            if keys is not None:
-                tenants.update(keys.tenants, time.monotonic())
-                metrics.registry.register(TenantCollector(tenants))
-            app.state.router = RouterState(config, endpoints, dispatcher, metrics, client,
-                                           upstream, keys, tenants)
-            watcher = None
-            if kube_client is not None:
-                watcher = discovery.KubernetesDiscovery(endpoints, config.namespace, kube_client,
-                                                        asyncio.get_running_loop())
-                watcher.start()
-            try:  # a first look, so a router started after its workers serves at once
-                await asyncio.wait_for(endpoints.poll(client), timeout=endpoints.poll_timeout + 1)
-            except asyncio.TimeoutError:
-                pass
-            poller = asyncio.create_task(endpoints.poll_forever(client), name="endpoint-poller")
-            try:
-                yield
-            finally:
-                poller.cancel()
-                if watcher is not None:
-                    watcher.stop()
-                await asyncio.gather(poller, return_exceptions=True)
-                await upstream.close()
+        # the poller's own pool: a request that reused a connection a poll kept alive, and
+        # lost it unanswered, would be written again to the same worker (``request``)
+        polls = Upstream(config.connect_timeout, None, config.keepalive_timeout)
+        endpoints = EndpointSet(config.workers, poll_interval=config.poll_interval,
+                                workers_file=config.workers_file, boot_s=config.boot_s)
+        endpoints.cascades = dict(cascades)
+        metrics = RouterMetrics()
+        dispatcher = Dispatcher(endpoints, config.dispatch, metrics)
+        metrics.registry.register(DemandCollector(dispatcher.demand_snapshot))
+        endpoints.on_polled = dispatcher.tick
+        endpoints.on_ejected = lambda reason: metrics.ejections.labels(reason).inc()
+        tenants = TenantLimits()
+        if keys is not None:
+            tenants.update(keys.tenants, time.monotonic())
+            metrics.registry.register(TenantCollector(tenants))
+        app.state.router = RouterState(config, endpoints, dispatcher, metrics, upstream, keys,
+                                       tenants)
+        watcher = None
+        if kube_client is not None:
+            watcher = discovery.KubernetesDiscovery(endpoints, config.namespace, kube_client,
+                                                    asyncio.get_running_loop())
+            watcher.start()
+        try:  # a first look, so a router started after its workers serves at once
+            await asyncio.wait_for(endpoints.poll(polls), timeout=endpoints.poll_timeout + 1)
+        except asyncio.TimeoutError:
+            pass
+        poller = asyncio.create_task(endpoints.poll_forever(polls), name="endpoint-poller")
+        try:
+            yield
+        finally:
+            poller.cancel()
+            if watcher is not None:
+                watcher.stop()
+            await asyncio.gather(poller, return_exceptions=True)
+            await upstream.close()
+            await polls.close()
 
     app = RouterApp(title="sluice router", lifespan=lifespan)
 
@@ -691,7 +689,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
     else:
         app = create_app(config)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     quiet_probe_access_logs()
     logger.info("router on http://%s:%d in front of %s", args.host, args.port,
                 f"the InferenceServices in namespace {namespace}" if kubernetes

@@ -36,11 +36,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
-
 from sluice.api import metrics as names
 from sluice.argtypes import http_url
 from sluice.router.predictor import DrainMeter, LatencyModel
+from sluice.router.upstream import Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +298,8 @@ class EndpointSet:
     Args:
         urls: worker base URLs; duplicates and trailing slashes are dropped.
         poll_interval: seconds between polls of a reachable worker.
-        poll_timeout: seconds allowed for each ``/health`` or ``/v1/models`` call.
+        poll_timeout: seconds allowed for each GET of a poll (``/health``, ``/v1/models``,
+            ``/metrics``), connection and whole answer.
         boot_s: the seconds a worker takes from being listed to ready, until scale-ups show
             it (``boot_s`` then follows them); None: not known until then.
 
@@ -494,7 +494,7 @@ class EndpointSet:
         self._file_problem = None
         self.sync(urls, models, self.settings)
 
-    async def poll(self, client: httpx.AsyncClient) -> None:
+    async def poll(self, client: Upstream) -> None:
         """Poll every listed endpoint that is due, concurrently; never raises for a bad
         worker. Also forgets unlisted endpoints whose last request has finished."""
         if self.workers_file is not None:
@@ -507,7 +507,7 @@ class EndpointSet:
             self._first_polled = time.monotonic()
         self.on_polled()
 
-    async def poll_booting(self, client: httpx.AsyncClient) -> None:
+    async def poll_booting(self, client: Upstream) -> None:
         """Between full polls: re-read the workers file (a change wakes a full poll) and
         poll the booting endpoints (``Endpoint.booting``) only."""
         if self.workers_file is not None:
@@ -518,7 +518,7 @@ class EndpointSet:
             await asyncio.gather(*(self._poll_one(client, e) for e in booting))
             self.on_polled()
 
-    async def poll_forever(self, client: httpx.AsyncClient) -> None:
+    async def poll_forever(self, client: Upstream) -> None:
         """Run ``poll`` every ``poll_interval`` seconds, and at once when ``sync`` adds an
         endpoint, until cancelled; in between, ``poll_booting`` every ``BOOT_POLL_S`` while
         an endpoint is booting or a workers file is watched."""
@@ -543,12 +543,13 @@ class EndpointSet:
         except Exception:  # a bug here must not stop the poller
             logger.exception("endpoint poll failed")
 
-    async def _poll_one(self, client: httpx.AsyncClient, endpoint: Endpoint) -> None:
+    async def _poll_one(self, client: Upstream, endpoint: Endpoint) -> None:
         try:
-            health = await client.get(f"{endpoint.url}/health", timeout=self.poll_timeout)
-            models = await client.get(f"{endpoint.url}/v1/models", timeout=self.poll_timeout)
-            scrape = await client.get(f"{endpoint.url}/metrics", timeout=self.poll_timeout)
-        except httpx.HTTPError as exc:
+            health, health_body = await client.get(endpoint.url, "/health", self.poll_timeout)
+            models, models_body = await client.get(endpoint.url, "/v1/models",
+                                                   self.poll_timeout)
+            scrape, scrape_body = await client.get(endpoint.url, "/metrics", self.poll_timeout)
+        except (UpstreamError, TimeoutError) as exc:
             booting = endpoint.booting(time.monotonic())  # not bound yet: no backoff, and
             if not booting:  # no warning (a worker starting is not a failure)
                 endpoint.failures += 1
@@ -558,30 +559,31 @@ class EndpointSet:
             backoff = 0 if booting else min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
             endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             return
-        status = _health_status(health) if health.status_code != 200 else None
-        if health.status_code != 200 and status != DRAINING:  # draining: it finishes its own
-            self.eject(endpoint, "unhealthy", f"/health answered {health.status_code} "
+        status = _health_status(health_body) if health != 200 else None
+        if health != 200 and status != DRAINING:  # draining: it finishes its own
+            self.eject(endpoint, "unhealthy", f"/health answered {health} "
                        f"({status or 'no status'})")
         if not endpoint.listed:  # unlisted while we waited: its state no longer matters
             return
         endpoint.failures = 0
         endpoint.next_poll = 0.0
-        if models.status_code == 200:
+        if models == 200:
             try:
-                entries = models.json()["data"]
+                entries = json.loads(models_body)["data"]
                 endpoint.models = {str(m["id"]): m for m in entries}
                 endpoint.models_known = True
                 self._last_entries.update(endpoint.models)  # kept for a model at zero
             except (ValueError, KeyError, TypeError):
                 logger.warning("worker %s sent a malformed /v1/models answer", endpoint.url)
-        if scrape.status_code == 200:
-            report = WorkerLoad.from_metrics(scrape.text, time.monotonic())
+        if scrape == 200:
+            text = scrape_body.decode("utf-8", "replace")
+            report = WorkerLoad.from_metrics(text, time.monotonic())
             if report is not None:
                 endpoint.reported = report
-            generated = sample_total(scrape.text, names.GENERATION_TOKENS)
+            generated = sample_total(text, names.GENERATION_TOKENS)
             if generated is not None and generated > endpoint.generated:
                 endpoint.generated, endpoint.generated_at = generated, time.monotonic()
-        ready = health.status_code == 200
+        ready = health == 200
         if ready != endpoint.ready:
             logger.info("worker %s is %s (models: %s)", endpoint.url,
                         "ready" if ready else "not ready", ", ".join(sorted(endpoint.models)) or "?")
@@ -610,11 +612,11 @@ def boot_learnt(boot_s: float | None, observed_s: float) -> float:
     return observed_s if boot_s is None else boot_s + BOOT_EWMA * (observed_s - boot_s)
 
 
-def _health_status(response: httpx.Response) -> str | None:
+def _health_status(body: bytes) -> str | None:
     """The ``status`` of a worker's /health body, if it has one."""
     try:
-        status = response.json().get("status")
-    except (ValueError, AttributeError):
+        status = json.loads(body).get("status")
+    except (ValueError, AttributeError, RecursionError):
         return None
     return status if isinstance(status, str) else None
 

@@ -27,8 +27,8 @@ from sluice.api.openai import error_body
 from sluice.router.endpoints import Endpoint
 from sluice.router.exchange import CLIENT_CLOSED, Exchange
 from sluice.router.relay import ClientDisconnected, RelayResponse, unless_disconnected
-from sluice.router.upstream import (ConnectFailed, ConnectionLost, ReadTimeout, Upstream,
-                                   UpstreamError, UpstreamResponse)
+from sluice.router.upstream import (ConnectFailed, ConnectionLost, ReadTimeout, UpstreamError,
+                                   UpstreamResponse)
 
 if TYPE_CHECKING:
     from sluice.router.app import RouterState
@@ -71,25 +71,6 @@ class TryElsewhere(Exception):
         self.kind = kind
 
 
-async def post(pool: Upstream, base: str, path: str, raw: bytes,
-               headers: dict[str, str]) -> UpstreamResponse:
-    """POST and return once the answer's headers are in.
-
-    A pooled connection the worker closed (its keep-alive ran out) just as the request was
-    written fails before any byte comes back, and the worker never read the request: the
-    request is written again once, on a new connection, which neither marks the worker
-    down nor uses the request's retry. A new connection that fails is a real failure.
-    """
-    try:
-        return await pool.post(base, path, raw, headers)
-    except ConnectionLost as exc:
-        if not exc.reused or exc.answered:
-            raise
-        logger.debug("a kept-alive connection to %s was closed under a request (%s); "
-                    "writing it again", base, exc)
-    return await pool.post(base, path, raw, headers, fresh=True)
-
-
 async def forward(request: Request, state: RouterState, endpoint: Endpoint, path: str,
                   raw: bytes, headers: dict[str, str], exchange: Exchange) -> Response:
     """Send to ``endpoint`` and return its answer (streamed when it is an event stream).
@@ -110,7 +91,7 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
 
     async def first_byte() -> tuple[UpstreamResponse, bytes | None, bool]:
         nonlocal upstream
-        upstream = await post(state.upstream, endpoint.url, path, raw, headers)
+        upstream = await state.upstream.request("POST", endpoint.url, path, raw, headers)
         exchange.on_headers(upstream.status, upstream.headers)
         if upstream.status == 503:
             return upstream, None, False
