@@ -29,7 +29,10 @@
    an ``httpx.AsyncClient`` asking the same three GETs of each (the general client the
    poller used before 2026-12-06), both on uvloop in this process.
 
-    .venv/bin/python bench/router.py [--only overhead|quality|poll] [--num-requests N] ...
+4. Fleet size. The router's CPU per request in front of ``--scale-workers`` N null
+   workers (at the same 250-host addresses; file discovery), closed loop.
+
+    .venv/bin/python bench/router.py [--only overhead|quality|poll|scale] [--num-requests N] ...
 
 Prints tables and writes JSON (default bench/results/router.json).
 """
@@ -49,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -244,6 +248,28 @@ HOSTS_PER_NULL = 250  # 127.0.0.1-127.0.0.250 on each null worker's port
 POLL_PATHS = ("/health", "/v1/models", "/metrics")
 
 
+def null_fleet(n: int, tmp: Path) -> tuple[list[Proc], Callable[[int], list[str]]]:
+    """Null workers answering at ``n`` distinct URLs (127.0.0.1-127.0.0.250 on as many
+    ports as ``n`` needs); the processes, and ``urls(k)``: the first k URLs."""
+    nulls, ports = [], []
+    try:
+        for i in range(math.ceil(n / HOSTS_PER_NULL)):
+            ports.append(free_port())
+            nulls.append(Proc([PYTHON, __file__, "--serve-null", str(ports[-1]),
+                               "--null-hosts", str(HOSTS_PER_NULL)], tmp / f"null-{i}.log"))
+        for port, null in zip(ports, nulls):
+            null.ready(f"http://127.0.0.1:{port}/health", 30)
+    except BaseException:
+        for null in nulls:
+            null.stop()
+        raise
+
+    def urls(k: int) -> list[str]:
+        return [f"http://127.0.0.{1 + i % HOSTS_PER_NULL}:{ports[i // HOSTS_PER_NULL]}"
+                for i in range(k)]
+    return nulls, urls
+
+
 def poll_cost(args, tmp: Path) -> dict:
     """CPU seconds of one poll round, per endpoint count: sluice's poller and httpx."""
     import uvloop
@@ -251,19 +277,9 @@ def poll_cost(args, tmp: Path) -> dict:
     from sluice.router.endpoints import EndpointSet
     from sluice.router.upstream import Upstream
 
-    nulls, ports = [], []
     result: dict = {"rounds": args.poll_rounds, "rows": []}
+    nulls, urls = null_fleet(max(args.poll_endpoints), tmp)
     try:
-        for i in range(math.ceil(max(args.poll_endpoints) / HOSTS_PER_NULL)):
-            ports.append(free_port())
-            nulls.append(Proc([PYTHON, __file__, "--serve-null", str(ports[-1]),
-                               "--null-hosts", str(HOSTS_PER_NULL)], tmp / f"null-{i}.log"))
-        for port, null in zip(ports, nulls):
-            null.ready(f"http://127.0.0.1:{port}/health", 30)
-
-        def urls(n: int) -> list[str]:
-            return [f"http://127.0.0.{1 + i % HOSTS_PER_NULL}:{ports[i // HOSTS_PER_NULL]}"
-                    for i in range(n)]
 
         async def sluice_round(n: int) -> float:
             endpoints = EndpointSet(urls(n))
@@ -302,6 +318,45 @@ def poll_cost(args, tmp: Path) -> dict:
             result["rows"].append({"endpoints": n, "sluice_cpu_ms_per_round": ours * 1e3,
                                    "httpx_cpu_ms_per_round": theirs * 1e3,
                                    "httpx_vs_sluice": theirs / ours})
+    finally:
+        for null in nulls:
+            null.stop()
+    return result
+
+
+# ---------------------------------------------------------------------------- 4. fleet size
+
+def fleet_scale(args, model: Path, tmp: Path) -> dict:
+    """The router's CPU per request in front of N null workers, per N (closed loop at
+    ``--scale-concurrency``): what routing over a larger fleet costs each request."""
+    result: dict = {"concurrency": args.scale_concurrency, "requests": args.scale_requests,
+                    "rows": []}
+    nulls, urls = null_fleet(max(args.scale_workers), tmp)
+    try:
+        for n in args.scale_workers:
+            workers_file = tmp / f"workers-{n}.json"  # (1,000 --worker flags: a long argv)
+            workers_file.write_text(json.dumps({"workers": urls(n)}))
+            router, url = start_router([], tmp / f"router-{n}.log", "--discovery", "file",
+                                       "--workers-file", str(workers_file))
+            try:
+                deadline = time.monotonic() + 120
+                while sum(w["ready"] for w in httpx.get(f"{url}/health").json()["workers"]) < n:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{n} null workers not all ready in 120 s")
+                    time.sleep(0.5)
+                bench(url, model.name, model, tmp / f"scale-warm-{n}.json", "--concurrency", "2",
+                      "--num-requests", "20", "--input-len", "32", "--output-len",
+                      str(args.null_tokens), "--warmup", "2")
+                cpu = cpu_seconds(router.proc.pid)
+                s = bench(url, model.name, model, tmp / f"scale-{n}.json", "--concurrency",
+                          str(args.scale_concurrency), "--num-requests", str(args.scale_requests),
+                          "--input-len", "32", "--output-len", str(args.null_tokens),
+                          "--warmup", "4")
+                cpu_ms = (cpu_seconds(router.proc.pid) - cpu) * 1000 / (args.scale_requests + 4)
+                result["rows"].append({"workers": n, "rps": s["rps"], "failed": s["failed"],
+                                       "router_cpu_ms_per_request": cpu_ms})
+            finally:
+                router.stop()
     finally:
         for null in nulls:
             null.stop()
@@ -567,6 +622,14 @@ def print_tables(result: dict) -> None:
             print(f"{n:>9} {row['sluice_cpu_ms_per_round']:>10.1f} "
                   f"{row['sluice_cpu_ms_per_round'] / n:>12.3f} "
                   f"{row['httpx_cpu_ms_per_round']:>10.1f} {row['httpx_vs_sluice']:>12.1f}x")
+    scale = result.get("scale")
+    if scale:
+        print(f"\nFleet size: router CPU per request in front of N null workers "
+              f"(closed loop, concurrency {scale['concurrency']}, {scale['requests']} requests)")
+        print(f"{'workers':>8} {'req/s':>8} {'failed':>7} {'router CPU ms/req':>18}")
+        for row in scale["rows"]:
+            print(f"{row['workers']:>8} {row['rps']:>8.1f} {row['failed']:>7} "
+                  f"{row['router_cpu_ms_per_request']:>18.3f}")
     qual = result.get("quality")
     if qual:
         print(f"\nRouting quality: {qual['replicas']} workers, KV {qual['kv_cache_gib']} GiB each, "
@@ -586,7 +649,7 @@ def print_tables(result: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", choices=("overhead", "quality", "poll"))
+    p.add_argument("--only", choices=("overhead", "quality", "poll", "scale"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "router.json"))
     p.add_argument("--merge", action="store_true",
                    help="keep the other part's results already in --out (with --only)")
@@ -613,6 +676,10 @@ def main() -> int:
     g = p.add_argument_group("poll")
     g.add_argument("--poll-endpoints", type=int, nargs="+", default=[10, 100, 1000])
     g.add_argument("--poll-rounds", type=int, default=5)
+    g = p.add_argument_group("scale")
+    g.add_argument("--scale-workers", type=int, nargs="+", default=[1, 100, 1000])
+    g.add_argument("--scale-concurrency", type=int, default=200)
+    g.add_argument("--scale-requests", type=int, default=2000)
     p.add_argument("--serve-null", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--null-hosts", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -630,12 +697,14 @@ def main() -> int:
             result["quality"] = quality(args, model, Path(tmp))
         if args.only in (None, "poll"):
             result["poll"] = poll_cost(args, Path(tmp))
+        if args.only in (None, "scale"):
+            result["scale"] = fleet_scale(args, model, Path(tmp))
     result["load_average_end"] = load_average()
     print_tables(result)
     out = Path(args.out)
     if args.merge and args.only and out.exists():
         previous = json.loads(out.read_text())
-        for other in {"overhead", "quality", "poll"} - {args.only}:
+        for other in {"overhead", "quality", "poll", "scale"} - {args.only}:
             if other in previous:
                 result[other] = previous[other]
                 result[f"{other}_settings"] = previous.get(f"{other}_settings",

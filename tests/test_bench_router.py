@@ -53,7 +53,8 @@ def test_router_bench_tiny(tmp_path):
          "--num-requests", "4", "--rate", "2", "--prefix-groups", "2", "--prefix-tokens", "64",
          "--input-len", "8", "--output-len", "2", "--kv-cache-gib", "0.05",
          "--policies", "round-robin", "slo", "--quality-rounds", "1",
-         "--poll-endpoints", "3", "--poll-rounds", "2"],
+         "--poll-endpoints", "3", "--poll-rounds", "2", "--scale-workers", "1", "3",
+         "--scale-requests", "10", "--scale-concurrency", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"wrote {out}" in proc.stdout
@@ -66,6 +67,7 @@ def test_router_bench_tiny(tmp_path):
     assert vllm["ran"] == ("vllm-router-cache-aware" in summary)
     assert [row["endpoints"] for row in result["poll"]["rows"]] == [3]
     assert result["poll"]["rows"][0]["sluice_cpu_ms_per_round"] > 0
+    assert [(row["workers"], row["failed"]) for row in result["scale"]["rows"]] == [(1, 0), (3, 0)]
     quality = result["quality"]
     assert quality["prefix_groups"] == 3  # 2 is not coprime with 2 replicas
     for policy in ("round-robin", "slo"):

@@ -14,10 +14,10 @@ import pytest
 
 from sluice.api.service import RoutingSpec, RoutingStrategy
 from sluice.router.endpoints import Endpoint, Lease, WorkerLoad
-from sluice.router.policy import (DEFAULT_POLICY, POLICIES, HashRing, LeastLoadPolicy,
-                                  PolicyContext, PrefixPolicy, RoundRobinPolicy, RoutingRequest,
-                                  SLOPolicy, chwbl, least_load, make_policy, predict_all,
-                                  round_robin, slo_pick)
+from sluice.router.policy import (DEFAULT_POLICY, POLICIES, SHORTLIST, HashRing,
+                                  LeastLoadPolicy, PolicyContext, PrefixPolicy, RoundRobinPolicy,
+                                  RoutingRequest, SLOPolicy, chwbl, least_load, make_policy,
+                                  predict_all, round_robin, shortlist, slo_pick)
 from sluice.router.predictor import ErrorTracker, RLSModel, TTFTFeatures
 from sluice.router.prefix import PrefixIndex, prompt_text, shape
 
@@ -286,6 +286,38 @@ def test_slo_predictions_use_queued_prefill_running_and_cached_prefix():
     eps[1].reported = WorkerLoad(running=3, queued_prefill_tokens=9_000, at=1e12)  # fresh
     assert predict_all(eps, request, index, now=1e12)[1].features.queued_prefill_tokens == pytest.approx(9000)
     assert predict_all(eps, request, index, now=1e12 + 60)[1].features.queued_prefill_tokens == 0  # stale
+
+
+def test_shortlist_draws_d_candidates_past_d_and_keeps_the_prefix_holders():
+    index, rng = PrefixIndex(), random.Random(1)
+    request = RoutingRequest(MODEL, shape=shape({"prompt": "x" * 2000}))
+    few = endpoints(SHORTLIST)
+    assert shortlist(few, request, index, rng) is few  # up to d: every candidate
+    fleet = endpoints(1000)
+    index.record(request.shape.blocks, "http://w737")
+    drawn = [shortlist(fleet, request, index, rng) for _ in range(200)]
+    for picked in drawn:
+        assert len(picked) in (SHORTLIST, SHORTLIST + 1) and fleet[737] in picked
+        assert picked == sorted(picked, key=fleet.index)  # in the candidates' order
+    counts = Counter(e.url for picked in drawn for e in picked if e is not fleet[737])
+    assert len(counts) > 900  # uniform draws: 200 x 16 of 1,000 reach nearly all
+
+
+def test_slo_policy_at_1000_candidates_predicts_a_shortlist_and_keeps_prefix_affinity(
+        monkeypatch):
+    """Past SHORTLIST candidates the policy predicts for d drawn ones plus the prefix's
+    holders, not for all: a request whose prefix w737 holds still goes there."""
+    import sluice.router.policy as policy_module
+    predicted = []
+    real = policy_module.predict_all
+    monkeypatch.setattr(policy_module, "predict_all", lambda candidates, *a, **k: (
+        predicted.append(len(candidates)), real(candidates, *a, **k))[1])
+    policy, fleet = SLOPolicy(), endpoints(1000)
+    request = RoutingRequest(MODEL, shape=shape({"prompt": "x" * 2000}), ttft_slo_s=1.0,
+                             deadline=policy.context.clock() + 1.0)
+    policy.context.prefix_index.record(request.shape.blocks, "http://w737")
+    assert run(policy.choose(fleet, request)).url == "http://w737"
+    assert predicted == [SHORTLIST + 1]
 
 
 def test_slo_policy_follows_the_observed_drain_rates():
