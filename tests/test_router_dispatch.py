@@ -18,7 +18,7 @@ from sluice.router.dispatch import (MAX_RETRY_AFTER_S, NO_WORKER_RETRY_AFTER_S, 
                                     BadRoutingHeader, Dispatcher, DispatchSettings)
 from sluice.router.endpoints import (REPORT_FRESH_S, Endpoint, EndpointSet, Lease, ModelSettings,
                                      WorkerLoad)
-from sluice.router.policy import LeastLoadPolicy, PrefixPolicy, SLOPolicy
+from sluice.router.policy import SHORTLIST, LeastLoadPolicy, PrefixPolicy, SLOPolicy
 from sluice.router.metrics import RouterMetrics
 
 MODEL = "m"
@@ -165,6 +165,33 @@ def test_gate_work_conserving_then_predicted_ttft():
     assert d.gate(r)
     no_slo = fleet(2, slo_ttft_ms=None)[1]
     assert no_slo.gate(no_slo.routing_request(BODY, {}, arrival=0))
+
+
+def test_gate_over_a_large_busy_fleet_predicts_a_shortlist():
+    """1,000 busy workers: the gate predicts for SHORTLIST of them (plus the prefix's
+    holders), not for every one; one idle worker still opens it; the choice that follows
+    goes where the prefix is."""
+    endpoints, d = fleet(1000, slo_ttft_ms=1000.0)
+    r = d.routing_request(BODY, {}, arrival=time.monotonic())
+    leases = [Lease(e, 50_000, 0.0) for e in endpoints]  # long prefills ahead everywhere
+    assert not d.gate(r)
+    assert len(r.predicted.by_url) == SHORTLIST
+    holder = list(endpoints)[737]
+    d.context.prefix_index.record(r.shape.blocks, holder.url)
+    assert not d.gate(r) and holder.url in r.predicted.by_url
+    assert len(r.predicted.by_url) in (SHORTLIST, SHORTLIST + 1)
+    leases[737].first_token(0.0)  # the holder's prefill is done: idle, so the gate opens
+    assert d.gate(r) and r.predicted.by_url == {}
+    endpoint, _ = run(d.choose(endpoints.ready_for(MODEL), r))
+    assert endpoint is holder
+
+
+def test_any_ready_for_is_ready_for_nonempty():
+    endpoints, _ = fleet(3)
+    assert endpoints.any_ready_for(MODEL) and not endpoints.any_ready_for("other")
+    for e in endpoints:
+        e.ready = False
+        assert endpoints.any_ready_for(MODEL) == bool(endpoints.ready_for(MODEL))
 
 
 def booting_fleet(boot_s: float | None = 1.0, age_s: float = 0.5,

@@ -221,7 +221,7 @@ async def _to_model(request: Request, state: RouterState, body: dict[str, Any], 
             exc.status, str(exc), "invalid_request_error" if exc.status == 400 else
             "permission_error", exc.param, None if exc.status == 400 else "priority_not_allowed"),
             tenant, charge)
-    at_zero = not state.endpoints.ready_for(model)
+    at_zero = not state.endpoints.any_ready_for(model)
     if at_zero and path in REQUESTS:
         try:  # at zero replicas: what a worker would refuse must not wake one first
             parse(REQUESTS[path], body)

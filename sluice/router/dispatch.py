@@ -11,6 +11,9 @@ The admission gate (``gate``, deciding by ``policy.gate_open``) lets a request t
 some ready endpoint is predicted to meet its TTFT objective, or has no prefill in flight at
 all (work conservation: an idle endpoint never waits while requests queue). Every capacity
 event (first token, finished request, a poll) kicks the queue, which re-checks its head.
+Past ``policy.SHORTLIST`` ready endpoints, the gate and the ``slo`` policy predict for a
+``policy.shortlist`` of them (16 drawn, plus the prompt prefix's holders), not for all; the
+idle test still reads every one.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from sluice.router.admission import AdmissionQueue
 from sluice.router.demand import Demand
 from sluice.router.endpoints import Endpoint, EndpointSet, ModelSettings
 from sluice.router.metrics import RouterMetrics
-from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES, Clock,
-                                  PolicyContext, Prediction, RoutingPolicy, RoutingRequest,
-                                  gate_open, make_policy, predict_all)
+from sluice.router.policy import (DEFAULT_LOAD_FACTOR, DEFAULT_POLICY, POLICIES, SHORTLIST,
+                                  Clock, PolicyContext, Prediction, RoutingPolicy,
+                                  RoutingRequest, gate_open, make_policy, predict_all,
+                                  shortlist)
 from sluice.router.predictor import ErrorTracker
 from sluice.router.prefix import KEY_CHARS, PrefixIndex, shape
 from sluice.router.tenants import PRIORITY_LIMIT
@@ -224,7 +228,13 @@ class Dispatcher:
             if now - held[1] < RELEASE_HOLD_S:
                 return False
             del self._releasing[request.model]  # it never settled: stop waiting for it
+        if request.deadline is None:  # no objective (gate_open's first test, without
+            return True                 # listing the fleet)
         candidates = self.endpoints.ready_for(request.model)
+        if len(candidates) > SHORTLIST and not any(e.prefill_idle(now) for e in candidates):
+            # every worker is busy: the predictions are made for a shortlist, not the fleet
+            candidates = shortlist(candidates, request, self.context.prefix_index,
+                                   self.context.rng)
         is_open, predictions = gate_open(candidates, request, self.context.prefix_index, now,
                                          self.context.fleet)
         if predictions is not None:
@@ -281,8 +291,8 @@ class Dispatcher:
         hold_s = declared.hold_s if declared is not None and declared.hold_s else \
             self.settings.hold_s
         if hold_s <= 0:
-            return bool(self.endpoints.ready_for(model))
-        return await self.demand.hold(model, lambda: bool(self.endpoints.ready_for(model)),
+            return self.endpoints.any_ready_for(model)
+        return await self.demand.hold(model, lambda: self.endpoints.any_ready_for(model),
                                       hold_s)
 
     def demand_snapshot(self) -> dict[str, dict[str, int]]:

@@ -397,6 +397,11 @@ class EndpointSet:
         """Listed, ready endpoints that serve ``model``, sorted by URL."""
         return [e for e in self if e.listed and e.ready and model in e.models]
 
+    def any_ready_for(self, model: str) -> bool:
+        """Some listed, ready endpoint serves ``model`` (``ready_for``'s test, stopping at
+        the first: the request path asks it of every request, over the whole fleet)."""
+        return any(e.listed and e.ready and model in e.models for e in self)
+
     def ready_in_s(self, model: str, now: float) -> float | None:
         """Seconds until the soonest booting endpoint that may serve ``model`` (its models
         are not known yet, or include it) is expected ready (``ready_in``), or None."""

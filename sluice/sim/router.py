@@ -22,9 +22,9 @@ with one objective and one priority for all, its EDF order is arrival order) unt
 capacity event (a first token, an end, a replica turning ready, a poll) opens it.
 
 Candidates are ``d`` ready endpoints sampled uniformly (power of d choices, Mitzenmacher
-2001), sorted by URL as the router sorts them; ``d = 0`` scores every ready endpoint, as
-the production router does today (``Dispatcher`` has no sampling path: O(replicas) per
-request, too slow at 1,000 replicas in the simulator and in the router alike). The gate's
+2001), sorted by URL as the router sorts them; ``d = 0`` scores every ready endpoint. The
+production router draws so too past 16 ready endpoints (``policy.shortlist``: 16 drawn,
+plus the prompt prefix's holders; below that it scores all of them). The gate's
 first test, some ready endpoint with no prefill in flight, reads a count kept over every
 ready endpoint, as the router's scan does; only its predictions are over the sample (the
 same sample the choice then takes). Workers' load reports are refreshed at each request's
