@@ -91,7 +91,7 @@ def test_get_gives_status_and_body_on_a_kept_connection_and_times_out_whole():
     async def health(reader, writer, n):
         if n == 3:
             await asyncio.sleep(3600)
-        writer.write(answer(b'{"status": "ok"}') if n == 1 else
+        writer.write(answer(b'{"status": "ok"}') if n in (1, 5, 6) else
                      b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
 
     async def main():
@@ -107,6 +107,10 @@ def test_get_gives_status_and_body_on_a_kept_connection_and_times_out_whole():
                 await pool.get(base, "/health", 0.2)
             assert await pool.get(base, "/health", 5.0) == (503, b"")
             assert server.connections == 2  # the one that timed out was closed, not pooled
+            with pytest.raises(BadResponse, match="more than 8 bytes"):  # 5: 16 bytes
+                await pool.get(base, "/metrics", 5.0, max_bytes=8)
+            assert await pool.get(base, "/health", 5.0, max_bytes=16) == (200, b'{"status": "ok"}')
+            assert server.connections == 2  # (the refused answer had all come: kept)
             await pool.close()
     run(main())
 
