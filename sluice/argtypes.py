@@ -38,6 +38,16 @@ def http_url(text: str) -> str:
     return text.strip().rstrip("/")
 
 
+def worker_url(text: str) -> str:
+    """A worker's base URL for the router (``http_url``, ``http://`` only: the router
+    speaks plain HTTP/1.1 to its workers)."""
+    url = http_url(text)
+    if urlsplit(url).scheme != "http":
+        raise argparse.ArgumentTypeError(f"the router reaches workers over http:// only, "
+                                         f"not {text.strip()!r}")
+    return url
+
+
 def server_url(text: str) -> str:
     """An OpenAI server's base URL (``http_url``) for a client command; the ``.../v1`` that
     ``sluice up`` and OpenAI SDKs use as the base is taken too (the client adds ``/v1/...``)."""

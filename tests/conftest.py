@@ -55,8 +55,8 @@ def wait_healthy(url: str, proc, timeout: float) -> str | None:
 @asynccontextmanager
 async def http_stub(answer: Callable[[str], tuple[int, Any]]) -> AsyncIterator[str]:
     """A real HTTP/1.1 server on 127.0.0.1, in the running event loop, for the endpoint
-    poller's GETs: ``answer(path)`` gives each one's status and JSON body (None: empty).
-    Yields its base URL."""
+    poller's GETs: ``answer(path)`` gives each one's status and JSON body (None: empty;
+    bytes: sent as they are). Yields its base URL."""
 
     handlers: set[asyncio.Task] = set()
 
@@ -66,7 +66,8 @@ async def http_stub(answer: Callable[[str], tuple[int, Any]]) -> AsyncIterator[s
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 status, obj = answer(head.split(b" ", 2)[1].decode())
-                body = b"" if obj is None else json.dumps(obj).encode()
+                body = obj if isinstance(obj, bytes) else b"" if obj is None \
+                    else json.dumps(obj).encode()
                 writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\n\r\n%s" % (status, len(body), body))
                 await writer.drain()

@@ -147,6 +147,8 @@ def test_workers_file_lists_workers_and_declares_models_at_zero(tmp_path):
 @pytest.mark.parametrize("data, problem", [
     ({"workers": "http://w0"}, '"workers" must be a list of URLs'),  # was read per character
     ({"workers": ["w0:8001"]}, "\"workers\": not an http(s) URL with a host: 'w0:8001'"),
+    ({"workers": ["https://w0"]},
+     "\"workers\": the router reaches workers over http:// only, not 'https://w0'"),
     ({"workers": ["http://w0"], "models": "m"}, '"models" must be a list of model names'),
     ([], 'not a JSON object with a "workers" list'),
 ])

@@ -33,6 +33,8 @@ from sluice import cli
     (["router", "--load-factor", "0.5"], "argument --load-factor: must be finite and >= 1, got 0.5"),
     (["router", "--prefix-key-chars", "0"], "argument --prefix-key-chars: must be >= 1, got 0"),
     (["router", "--max-body-bytes", "-1"], "argument --max-body-bytes: must be >= 1, got -1"),
+    (["router", "--worker", "https://w0:8001"],  # (the router speaks plain HTTP to workers)
+     "argument --worker: the router reaches workers over http:// only, not 'https://w0:8001'"),
     (["up", "-f", "x.yaml", "--replicas", "-1"], "argument --replicas: must be >= 0, got -1"),
     (["up", "-f", "x.yaml", "--startup-timeout", "0"],
      "argument --startup-timeout: must be finite and > 0 seconds, got 0"),

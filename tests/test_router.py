@@ -140,6 +140,83 @@ def test_poll_learns_readiness_models_and_backs_off(caplog):
     run(scenario())
 
 
+def test_a_worker_with_malformed_answers_neither_stops_the_poll_nor_its_round(caplog):
+    """A break-it pass: a /metrics sample that is not a number, or a /v1/models nested past
+    the recursion limit, raised out of the poll (the router exited at startup; later, that
+    worker's state froze and the round skipped its admission re-check)."""
+    bad_answers = {"/health": (200, None), "/v1/models": (200, b"[" * 200_000),
+                   "/metrics": (200, b"vllm:num_requests_running abc\nvllm:num_requests_running 2\n")}
+    rounds = []
+
+    async def scenario():
+        async with http_stub(lambda path: bad_answers[path]) as bad, \
+                fake_workers({"a": (200, [MODEL])}) as (url, client):
+            endpoints = EndpointSet([url["a"], bad])
+            endpoints.on_polled = lambda: rounds.append(1)
+            await endpoints.poll(client)
+            assert [e.url for e in endpoints.ready_for(MODEL)] == [url["a"]] and rounds == [1]
+            worker = next(e for e in endpoints if e.url == bad)
+            assert worker.ready and not worker.models_known  # its /v1/models was refused
+            assert worker.reported.running == 2  # the sample that is a number counts
+            assert f"worker {bad} sent a malformed /v1/models answer" in caplog.text
+            assert "endpoint poll failed" not in caplog.text
+
+    run(scenario())
+
+
+def test_a_worker_slow_to_answer_its_poll_does_not_hold_up_the_round():
+    """A worker whose /health hangs is polled in the background: the round ends after the
+    poll interval, not the poll timeout, and that poll is not started again meanwhile."""
+    asked = []
+
+    async def hang(reader, writer):
+        asked.append(await reader.readuntil(b"\r\n\r\n"))
+        await asyncio.sleep(3600)
+
+    async def scenario():
+        server = await asyncio.start_server(hang, "127.0.0.1", 0)
+        slow = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with fake_workers({"a": (200, [MODEL])}) as (url, client):
+            endpoints = EndpointSet([url["a"], slow], poll_interval=0.3, poll_timeout=30.0)
+            for _ in range(2):
+                started = time.monotonic()
+                await endpoints.poll(client)
+                assert time.monotonic() - started < 2.0
+            assert [e.url for e in endpoints.ready_for(MODEL)] == [url["a"]]
+            assert len(asked) == 1  # still under way: not asked again
+            endpoints.stop_polls()
+            await asyncio.sleep(0)
+        server.close()
+
+    run(scenario())
+
+
+def test_a_booting_worker_that_answers_but_not_as_a_worker_is_logged_once(caplog):
+    """Something listens there but does not speak HTTP: while it boots the poller says why,
+    once; a refused connection (a worker still starting) is not logged."""
+    async def garbage(reader, writer):
+        writer.write(b"garbage\r\n\r\n")
+        writer.close()
+
+    async def scenario():
+        server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+        odd = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        refusing = f"http://127.0.0.1:{free_port()}"
+        endpoints = EndpointSet([odd, refusing])
+        client = Upstream(1.0, 2.0, 4.0)
+        for _ in range(3):
+            await endpoints.poll(client)
+        await client.close()
+        server.close()
+        return odd, refusing
+
+    odd, refusing = run(scenario())
+    lines = [r.getMessage() for r in caplog.records if "not ready yet" in r.getMessage()]
+    assert lines == [f"worker {odd} not ready yet: BadResponse: {odd} sent a malformed answer: "
+                     "Expected HTTP/, RTSP/ or ICE/"]  # (llhttp's words)
+    assert refusing not in caplog.text
+
+
 # ------------------------------------------------------------------ real workers behind a router
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colors."}],

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -922,3 +923,34 @@ def test_a_router_stopping_answers_its_held_requests_at_once(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_router_raises_its_open_files_limit_to_the_hard_one():
+    """A break-it pass: 1,000 workers under a soft limit of 1,024 open files failed every
+    request (one poll connection a worker, kept). The router raises the soft limit."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard limit here is {hard}")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "router", "--port", str(port), "--worker",
+         f"http://127.0.0.1:{free_port()}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/livez", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        line = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        expected = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+        assert line.split()[3] == str(expected), line
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -115,6 +115,22 @@ def test_get_gives_status_and_body_on_a_kept_connection_and_times_out_whole():
     run(main())
 
 
+def test_an_ipv6_worker_gets_a_bracketed_host_header():
+    async def main():
+        server = Server(plain)
+        try:
+            server.server = await asyncio.start_server(server._serve, "::1", 0)
+        except OSError as exc:
+            pytest.skip(f"no IPv6 loopback here: {exc}")
+        port = server.server.sockets[0].getsockname()[1]
+        pool = Upstream(5, 5, 4)
+        assert await pool.get(f"http://[::1]:{port}", "/health", 5.0) == (200, b"answer 1")
+        assert f"host: [::1]:{port}\r\n" in server.requests[0].decode()
+        await pool.close()
+        server.server.close()
+    run(main())
+
+
 def test_a_chunked_stream_is_decoded_and_handed_on_as_it_arrives():
     events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
     sent = asyncio.Queue()

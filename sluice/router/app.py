@@ -47,6 +47,7 @@ import asyncio
 import gc
 import json
 import logging
+import resource
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -63,8 +64,8 @@ from starlette.types import Receive, Scope, Send
 from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
 from sluice.api.openai import (APIError, ChatCompletionRequest, CompletionRequest,
                                http_error_body, parse)
-from sluice.argtypes import (count, factor, http_url, milliseconds, port, positive_count,
-                             positive_milliseconds, positive_seconds, seconds)
+from sluice.argtypes import (count, factor, milliseconds, port, positive_count,
+                             positive_milliseconds, positive_seconds, seconds, worker_url)
 from sluice.logs import quiet_probe_access_logs
 from sluice.router import discovery
 from sluice.router.admission import Rejected
@@ -540,7 +541,7 @@ def create_app(config: RouterConfig) -> RouterApp:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worker", action="append", default=[], metavar="URL", type=http_url,
+    parser.add_argument("--worker", action="append", default=[], metavar="URL", type=worker_url,
                         help="worker base URL, e.g. http://127.0.0.1:8001 (repeatable; static "
                         "discovery)")
     parser.add_argument("--discovery", choices=DISCOVERY, default="static",
@@ -616,6 +617,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require Authorization: Bearer KEY on /v1 routes, with the keys, "
                         "tenants, priority ceilings and RPM/TPM limits of this YAML or JSON file "
                         "(a mounted Secret works); re-read when it changes")
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft limit on open files to the hard one (at most 2^20), and return it.
+
+    The router holds a connection to each worker for its polls and one for each request in
+    flight, each a file: with 1,000 workers under the usual soft limit of 1,024, every
+    request failed (``Too many open files``) and the workers were marked down.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the open-files limit from %d: %s", soft, exc)
+    return soft
 
 
 def freeze_gc() -> None:
@@ -715,6 +734,7 @@ def run(args: argparse.Namespace) -> int:
                                    # X-Forwarded-For is trusted only from 127.0.0.1 by
                                    # default (no ingress is): a middleware for nothing
                                    proxy_headers=False))
+    logger.info("open-files limit %d", raise_open_files_limit())
     freeze_gc()
     server.run()
     return 0

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sluice.api import metrics as names
-from sluice.argtypes import http_url
+from sluice.argtypes import worker_url
 from sluice.router.predictor import DrainMeter, LatencyModel
-from sluice.router.upstream import Upstream, UpstreamError
+from sluice.router.upstream import ConnectFailed, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,12 @@ def sample_total(text: str, name: str) -> float | None:
     scrape, or None when it has none."""
     found = _SAMPLE.get(name) or _SAMPLE.setdefault(name, re.compile(
         rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", re.M))
-    values = [float(v) for v in found.findall(text)]
+    values = []
+    for value in found.findall(text):
+        try:
+            values.append(float(value))
+        except ValueError:  # not a number: that sample is skipped
+            pass
     return sum(values) if values else None
 
 
@@ -180,6 +185,9 @@ class Endpoint:
         generated_at: ``time.monotonic()`` of the last scrape that found ``generated`` grown.
         listed_at: ``time.monotonic()`` when discovery listed it (again).
         seen_ready: a poll has found it ready since it was listed.
+        problem: why its last poll could not reach it (None after one that did); a booting
+            endpoint's is logged once per change when something answers there, but not as
+            a worker (a refused connection is a worker still starting: not logged).
     """
 
     url: str
@@ -201,6 +209,7 @@ class Endpoint:
     generated_at: float = -math.inf
     listed_at: float = field(default_factory=time.monotonic)
     seen_ready: bool = False
+    problem: str | None = None  # why its last poll failed
 
     def booting(self, now: float) -> bool:
         """Listed, never ready since, and within ``BOOT_GRACE_S`` of being listed."""
@@ -316,6 +325,7 @@ class EndpointSet:
         self._declared: frozenset[str] | None = None  # models discovery says exist
         self._last_entries: dict[str, dict[str, Any]] = {}  # model → a worker's last entry
         self._wake: asyncio.Event | None = None  # set by sync: poll new endpoints now
+        self._polling: dict[str, asyncio.Task] = {}  # url → its poll under way
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
         self.on_polled: Callable[[], None] = lambda: None  # e.g. re-check admission queues
@@ -500,14 +510,15 @@ class EndpointSet:
         self.sync(urls, models, self.settings)
 
     async def poll(self, client: Upstream) -> None:
-        """Poll every listed endpoint that is due, concurrently; never raises for a bad
-        worker. Also forgets unlisted endpoints whose last request has finished."""
+        """Poll every listed endpoint that is due, concurrently (``_poll_due``); never
+        raises for a bad worker. Also forgets unlisted endpoints whose last request has
+        finished."""
         if self.workers_file is not None:
             self.reload_file()
         self.prune()
         now = time.monotonic()
-        due = [e for e in self if (e.listed or e.unanswered) and e.next_poll <= now]
-        await asyncio.gather(*(self._poll_one(client, e) for e in due))
+        await self._poll_due(client, [e for e in self
+                                      if (e.listed or e.unanswered) and e.next_poll <= now])
         if self._first_polled is None:
             self._first_polled = time.monotonic()
         self.on_polled()
@@ -520,14 +531,41 @@ class EndpointSet:
         now = time.monotonic()
         booting = [e for e in self if e.booting(now) and e.next_poll <= now]
         if booting:
-            await asyncio.gather(*(self._poll_one(client, e) for e in booting))
+            await self._poll_due(client, booting)
             self.on_polled()
+
+    async def _poll_due(self, client: Upstream, due: list[Endpoint]) -> None:
+        """Start a poll of each of ``due`` not being polled already, and wait for them at
+        most ``poll_interval``: a worker slow to answer (each GET may take
+        ``poll_timeout``) goes on being polled in the background, rather than hold up
+        everyone's next round (a break-it pass: one worker answering each GET in 1.5 s
+        delayed noticing another's death from 0.4 s to 4.3 s)."""
+        started = []
+        for endpoint in due:
+            if endpoint.url not in self._polling:
+                task = asyncio.create_task(self._guarded(self._poll_one(client, endpoint)))
+                self._polling[endpoint.url] = task
+                task.add_done_callback(lambda _, url=endpoint.url: self._polling.pop(url, None))
+                started.append(task)
+        if started:
+            await asyncio.wait(started, timeout=self.poll_interval)
+
+    def stop_polls(self) -> None:
+        """Cancel the polls still going on (the poller is stopping)."""
+        for task in self._polling.values():
+            task.cancel()
 
     async def poll_forever(self, client: Upstream) -> None:
         """Run ``poll`` every ``poll_interval`` seconds, and at once when ``sync`` adds an
         endpoint, until cancelled; in between, ``poll_booting`` every ``BOOT_POLL_S`` while
         an endpoint is booting or a workers file is watched."""
         self._wake = wake = asyncio.Event()
+        try:
+            await self._poll_forever(client, wake)
+        finally:
+            self.stop_polls()
+
+    async def _poll_forever(self, client: Upstream, wake: asyncio.Event) -> None:
         while True:
             await self._guarded(self.poll(client))
             deadline = time.monotonic() + self.poll_interval
@@ -545,7 +583,7 @@ class EndpointSet:
     async def _guarded(poll: Any) -> None:
         try:
             await poll
-        except Exception:  # a bug here must not stop the poller
+        except Exception:  # a bug here must not stop the poller (nor one worker's, a round)
             logger.exception("endpoint poll failed")
 
     async def _poll_one(self, client: Upstream, endpoint: Endpoint) -> None:
@@ -555,12 +593,17 @@ class EndpointSet:
                                                    self.poll_timeout)
             scrape, scrape_body = await client.get(endpoint.url, "/metrics", self.poll_timeout)
         except (UpstreamError, TimeoutError) as exc:
+            why = _describe(exc)
             booting = endpoint.booting(time.monotonic())  # not bound yet: no backoff, and
             if not booting:  # no warning (a worker starting is not a failure)
                 endpoint.failures += 1
             if endpoint.ready or endpoint.failures == 1:
-                logger.warning("worker %s unreachable: %s", endpoint.url, _describe(exc))
-            self.eject(endpoint, "unreachable", f"unreachable: {_describe(exc)}")
+                logger.warning("worker %s unreachable: %s", endpoint.url, why)
+            elif booting and not isinstance(exc, ConnectFailed) and why != endpoint.problem:
+                # something answers there, but not as a worker: why, once per change
+                logger.warning("worker %s not ready yet: %s", endpoint.url, why)
+            endpoint.problem = why
+            self.eject(endpoint, "unreachable", f"unreachable: {why}")
             backoff = 0 if booting else min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
             endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             return
@@ -572,13 +615,14 @@ class EndpointSet:
             return
         endpoint.failures = 0
         endpoint.next_poll = 0.0
+        endpoint.problem = None
         if models == 200:
             try:
                 entries = json.loads(models_body)["data"]
                 endpoint.models = {str(m["id"]): m for m in entries}
                 endpoint.models_known = True
                 self._last_entries.update(endpoint.models)  # kept for a model at zero
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 logger.warning("worker %s sent a malformed /v1/models answer", endpoint.url)
         if scrape == 200:
             text = scrape_body.decode("utf-8", "replace")
@@ -630,7 +674,7 @@ def parse_workers_file(data: object) -> tuple[list[str], list[str]]:
     """The worker URLs and model names of a workers file's JSON (``EndpointSet.reload_file``).
 
     Raises:
-        ValueError: not an object, ``workers`` missing or not a list of http(s) URLs with a
+        ValueError: not an object, ``workers`` missing or not a list of http:// URLs with a
             host, or ``models`` not a list of names; the message names the field.
     """
     if not isinstance(data, dict) or "workers" not in data:
@@ -639,7 +683,7 @@ def parse_workers_file(data: object) -> tuple[list[str], list[str]]:
     if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
         raise ValueError('"workers" must be a list of URLs')
     try:
-        urls = [http_url(u) for u in urls]
+        urls = [worker_url(u) for u in urls]
     except argparse.ArgumentTypeError as exc:
         raise ValueError(f'"workers": {exc}') from None
     if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):

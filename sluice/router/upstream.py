@@ -343,7 +343,7 @@ class Upstream:
         self.keepalive_timeout = keepalive_timeout
         self._idle: dict[str, list[_Connection]] = {}  # oldest first
         self._open: set[_Connection] = set()
-        self._origins: dict[str, tuple[str, int]] = {}
+        self._origins: dict[str, tuple[str, int, str]] = {}  # base → host, port, authority
         self._sweep_timer: asyncio.TimerHandle | None = None
 
     async def request(self, method: str, base: str, path: str, body: bytes = b"",
@@ -368,8 +368,7 @@ class Upstream:
             BadResponse: not HTTP.
         Cancelling the call closes the connection.
         """
-        host, port = self._origin(base)
-        head = f"{method} {path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
+        head = f"{method} {path} HTTP/1.1\r\nhost: {self._origin(base)[2]}\r\n"
         if body or method == "POST":
             head += f"content-length: {len(body)}\r\n"
         if headers:
@@ -430,21 +429,24 @@ class Upstream:
             connection.close()
         return None
 
-    def _origin(self, base: str) -> tuple[str, int]:
+    def _origin(self, base: str) -> tuple[str, int, str]:
+        """``base``'s host, port and ``host`` header value (an IPv6 address in brackets)."""
         origin = self._origins.get(base)
         if origin is None:
             parts = urlsplit(base)
             if parts.scheme != "http" or not parts.hostname:
                 raise ConnectFailed(f"{base}: only http://host:port workers are supported")
-            origin = self._origins[base] = (parts.hostname, parts.port or 80)
+            host, port = parts.hostname, parts.port or 80
+            authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            origin = self._origins[base] = (host, port, authority)
         return origin
 
     async def _connect(self, base: str) -> _Connection:
-        origin = self._origin(base)
+        host, port, _ = self._origin(base)
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, connection = await self.loop.create_connection(
-                    lambda: _Connection(self, base), *origin)
+                    lambda: _Connection(self, base), host, port)
         except (OSError, TimeoutError) as exc:
             raise ConnectFailed(f"could not connect to {base}: "
                                 f"{type(exc).__name__}: {exc}") from exc
