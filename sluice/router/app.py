@@ -76,6 +76,7 @@ from sluice.router.dispatch import (NO_WORKER_RETRY_AFTER_S, BadRoutingHeader, D
 from sluice.router.endpoints import EndpointSet
 from sluice.router.exchange import Exchange
 from sluice.router.metrics import DemandCollector, RouterMetrics
+from sluice.router.http import RouterHTTP
 from sluice.router.policy import DEFAULT_POLICY, POLICIES, RoutingRequest
 from sluice.router.proxy import CLIENT_CLOSED, TryElsewhere, forward, forward_headers, openai_error
 from sluice.router.relay import ClientDisconnected, unless_disconnected
@@ -540,6 +541,9 @@ def create_app(config: RouterConfig) -> RouterApp:
     return app
 
 
+HTTP_PROTOCOLS = {"sluice": RouterHTTP, "httptools": "httptools"}  # --http → uvicorn's http=
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="append", default=[], metavar="URL", type=worker_url,
                         help="worker base URL, e.g. http://127.0.0.1:8001 (repeatable; static "
@@ -613,6 +617,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="InferenceService manifest (one or more YAML documents) whose "
                         "cascades to serve, tiers resolved from the same file (static and file "
                         "discovery; kubernetes discovery finds them in the namespace)")
+    parser.add_argument("--http", choices=HTTP_PROTOCOLS, default="sluice",
+                        help="HTTP/1.1 server protocol: sluice (sluice.router.http, leaner) or "
+                        "httptools (uvicorn's own) (default: %(default)s)")
     parser.add_argument("--api-keys", default=None, metavar="FILE",
                         help="require Authorization: Bearer KEY on /v1 routes, with the keys, "
                         "tenants, priority ceilings and RPM/TPM limits of this YAML or JSON file "
@@ -731,6 +738,7 @@ def run(args: argparse.Namespace) -> int:
                                    # after working out its arguments: none at all then)
                                    access_log=logging.getLogger().isEnabledFor(logging.INFO),
                                    timeout_graceful_shutdown=30,
+                                   http=HTTP_PROTOCOLS[args.http],
                                    # X-Forwarded-For is trusted only from 127.0.0.1 by
                                    # default (no ingress is): a middleware for nothing
                                    proxy_headers=False))

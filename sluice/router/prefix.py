@@ -8,7 +8,11 @@ and derives:
              so requests sharing a system prompt of at least that length share a key;
     blocks   chained hashes of consecutive ``block_chars``-character blocks (like the KV
              cache's chained block hashes, in characters instead of tokens), at most
-             ``max_blocks``: what ``PrefixIndex`` matches to estimate a cached prefix;
+             ``max_blocks``: what ``PrefixIndex`` matches to estimate a cached prefix. They
+             are Python's own ``hash`` of (previous hash, block), which differs between
+             processes, as the index does (the key, which placement across router replicas
+             rests on, is a BLAKE2b digest): 7x less CPU than one BLAKE2b digest a block
+             (19 against 135 µs for an 8,192-character prompt here);
     tokens   an estimate of the prompt's length in tokens (characters / 4 for text, the
              exact count for token ids), which the TTFT predictor's weights absorb the error of.
 
@@ -51,8 +55,8 @@ class PromptShape:
     block_tokens: float = BLOCK_CHARS / CHARS_PER_TOKEN
 
 
-def _hash(data: bytes, seed: bytes = b"") -> int:
-    return int.from_bytes(hashlib.blake2b(seed + data, digest_size=8).digest(), "little")
+def _hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 def prompt_text(body: Mapping[str, Any]) -> tuple[str, float | None]:
@@ -101,11 +105,10 @@ def shape(body: Mapping[str, Any], key_chars: int = KEY_CHARS, block_chars: int 
     text, exact = prompt_text(body)
     data = text.encode("utf-8", "surrogatepass")
     key = _hash(data[:key_chars]) if data else 0
-    blocks, previous = [], b""
+    blocks, previous = [], 0
     for start in range(0, min(len(data) // block_chars, max_blocks) * block_chars, block_chars):
-        h = _hash(data[start:start + block_chars], previous)
-        blocks.append(h)
-        previous = h.to_bytes(8, "little")
+        previous = hash((previous, data[start:start + block_chars]))
+        blocks.append(previous)
     tokens = exact if exact is not None else len(text) / CHARS_PER_TOKEN
     per_block = block_chars * (tokens / len(data)) if data and exact is not None \
         else block_chars / CHARS_PER_TOKEN

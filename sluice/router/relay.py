@@ -2,11 +2,12 @@
 stream without buffering (the request body is read by sluice.api.body, shared with the
 worker).
 
-Both use one helper task per request (``_DisconnectWatch``, made at the request's first wait
-and kept in its ASGI scope) that reads the ASGI ``receive`` channel and, on
-``http.disconnect``, cancels the request's own task while it waits (rather than running the
-work in a second task and racing the two, or a new watcher per wait: fewer tasks, less CPU
-per request).
+Both use one watch per request (``_DisconnectWatch``, made at the request's first wait and
+kept in its ASGI scope) that, when the client leaves, cancels the request's own task while
+it waits (rather than running the work in a second task and racing the two, or a new
+watcher per wait). Under the router's own server protocol (``sluice.router.http``) the
+server tells the watch itself, through the ASGI extension ``DISCONNECT_EXTENSION``; under
+another server a helper task reads the ``receive`` channel for ``http.disconnect``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 WATCH_KEY = "sluice.disconnect_watch"  # the request's _DisconnectWatch, in its ASGI scope
+# scope["extensions"][DISCONNECT_EXTENSION](callback): the server calls callback() once, when
+# the client leaves before the answer is complete (at once if it has left already)
+DISCONNECT_EXTENSION = "sluice.disconnect"
 
 
 class ClientDisconnected(Exception):
@@ -41,11 +45,15 @@ class _DisconnectWatch:
     cancellation never lands after the watched work is over.
     """
 
-    def __init__(self, receive: Receive):
+    def __init__(self, scope: Scope, receive: Receive):
         self.task: asyncio.Task | None = None  # the armed wait's task
         self.gone = False
         self.cancelled = False  # it cancelled the armed task (``absorb`` consumes that)
-        self.watcher = asyncio.ensure_future(self._watch(receive))
+        tell = scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
+        if tell is not None:
+            tell(self.left)
+        else:
+            asyncio.ensure_future(self._watch(receive))
 
     @classmethod
     def of(cls, scope: Scope, receive: Receive) -> _DisconnectWatch:
@@ -53,13 +61,17 @@ class _DisconnectWatch:
         request body has been read."""
         watch = scope.get(WATCH_KEY)
         if watch is None:
-            watch = scope[WATCH_KEY] = cls(receive)
+            watch = scope[WATCH_KEY] = cls(scope, receive)
         return watch
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self.gone = True  # (also once the response is complete: then nothing is armed)
+        self.left()  # (also once the response is complete: then nothing is armed)
+
+    def left(self) -> None:
+        """The client left: cancel the armed wait, if any."""
+        self.gone = True
         if self.task is not None:
             self.cancelled = True
             self.task.cancel()
@@ -74,7 +86,7 @@ class _DisconnectWatch:
         self.task = previous
 
     def stop(self) -> None:
-        """The response is over: no more waits. The watcher is not cancelled: once the
+        """The response is over: no more waits. A watcher task is not cancelled: once the
         response is sent, ``receive`` answers ``http.disconnect`` (the ASGI spec's rule), so
         it ends by itself. A cancelled one ended in a CancelledError whose traceback held
         its frames, and through them the request's whole ASGI cycle, in a reference cycle:
