@@ -419,3 +419,27 @@ def test_a_plain_answer_teaches_the_ttft_model_only_what_it_shows():
     answer(16, 3.0, {"x-sluice-ttft-ms": "nan"})  # unreadable: back to the usage rule
     assert ttfts() == 2
     assert w0.in_flight == 0 and w0.prefilling == 0
+
+
+def test_deadlines_fire_once_after_their_timeout_within_a_tick_and_never_once_removed():
+    """``Deadlines``: one sweep timer for every first-byte deadline, running only while one
+    is pending; an expired entry fires once, a removed one never."""
+    from sluice.router.exchange import Deadlines
+
+    async def scenario() -> tuple[dict, bool, bool]:
+        loop = asyncio.get_running_loop()
+        deadlines = Deadlines(0.2, loop.time)  # ticks every 0.02 s
+        fired: dict[str, float] = {}
+        start = loop.time()
+        deadlines.add("a", lambda: fired.setdefault("a", loop.time() - start), start)
+        deadlines.add("b", lambda: fired.setdefault("b", loop.time() - start), start)
+        deadlines.remove("b")
+        await asyncio.sleep(0.1)
+        early = dict(fired)
+        await asyncio.sleep(0.3)
+        return fired | {"early": len(early)}, deadlines._timer is None, not deadlines._pending
+
+    fired, stopped, empty = asyncio.run(scenario())
+    assert fired["early"] == 0 and "b" not in fired
+    assert 0.2 <= fired["a"] < 0.2 + 0.02 + 0.05  # (a tick late at most, and loop slack)
+    assert stopped and empty

@@ -74,7 +74,7 @@ from sluice.router.cascade import serve as serve_cascade
 from sluice.router.dispatch import (NO_WORKER_RETRY_AFTER_S, BadRoutingHeader, Dispatcher,
                                     DispatchSettings)
 from sluice.router.endpoints import EndpointSet
-from sluice.router.exchange import Exchange
+from sluice.router.exchange import Deadlines, Exchange
 from sluice.router.metrics import DemandCollector, RouterMetrics
 from sluice.router.http import RouterHTTP
 from sluice.router.policy import DEFAULT_POLICY, POLICIES, RoutingRequest
@@ -147,6 +147,7 @@ class RouterState:
     dispatcher: Dispatcher
     metrics: RouterMetrics
     upstream: Upstream  # the proxy path's connections
+    first_byte: Deadlines  # the requests waiting for their first byte (--first-byte-timeout)
     keys: KeyRing | None = None  # --api-keys
     tenants: TenantLimits = field(default_factory=TenantLimits)
 
@@ -466,8 +467,9 @@ def create_app(config: RouterConfig) -> RouterApp:
         if keys is not None:
             tenants.update(keys.tenants, time.monotonic())
             metrics.registry.register(TenantCollector(tenants))
-        app.state.router = RouterState(config, endpoints, dispatcher, metrics, upstream, keys,
-                                       tenants)
+        app.state.router = RouterState(config, endpoints, dispatcher, metrics, upstream,
+                                       Deadlines(config.first_byte_timeout, dispatcher.clock),
+                                       keys, tenants)
         watcher = None
         if kube_client is not None:
             watcher = discovery.KubernetesDiscovery(endpoints, config.namespace, kube_client,

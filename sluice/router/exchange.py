@@ -6,6 +6,9 @@ latency observations, the tenant's token charge, and its ejection.
                ▼
             eject(): cancels the proxy's wait; absorb_ejection() turns that into
             "try elsewhere" (the client has had nothing yet, so the request may be resent)
+               │ or no first byte within the first-byte timeout (``Deadlines``)
+               ▼
+            time_out(): cancels the proxy's wait likewise; ``timed_out`` says it was that
 
 ``on_complete`` (idempotent) runs from the proxy's ``finally``.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sluice.router.endpoints import HEADER_TTFT_MS, Endpoint, Lease, WorkerLoad
@@ -26,6 +30,45 @@ if TYPE_CHECKING:
 
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+class Deadlines:
+    """Deadlines of one length, checked by one periodic sweep rather than a timer each.
+
+    Each request sets a first-byte deadline; a timer of uvloop's costs about 8,000
+    instructions to start and stop, and ``asyncio.timeout`` around one about 27,000: 4 % of
+    the router's instructions a request (callgrind). Here a deadline is a dict entry, and
+    one timer, running while any is pending, sweeps them every ``tick_s``
+    (``timeout_s / 10``, at most 1 s): a deadline fires up to ``tick_s`` late.
+
+    Args:
+        timeout_s: seconds from ``add`` to the deadline.
+        clock: monotonic seconds (the dispatcher's).
+    """
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float]):
+        self.timeout_s = timeout_s
+        self.tick_s = min(1.0, timeout_s / 10)
+        self.clock = clock
+        self._pending: dict[object, tuple[float, Callable[[], None]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, key: object, expire: Callable[[], None], now: float) -> None:
+        """Call ``expire()`` once ``timeout_s`` after ``now``, unless ``key`` is removed."""
+        self._pending[key] = (now + self.timeout_s, expire)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.tick_s, self._sweep)
+
+    def remove(self, key: object) -> None:
+        self._pending.pop(key, None)
+
+    def _sweep(self) -> None:
+        now = self.clock()
+        due = [key for key, (deadline, _) in self._pending.items() if deadline <= now]
+        for key in due:
+            self._pending.pop(key)[1]()
+        self._timer = asyncio.get_running_loop().call_later(self.tick_s, self._sweep) \
+            if self._pending else None
 
 
 class Exchange:
@@ -58,6 +101,7 @@ class Exchange:
         self.lease = Lease(endpoint, prediction.features.uncached_prompt_tokens, self.sent_at)
         self.status = 0
         self.ejected: str | None = None  # why its endpoint was ejected while it waited
+        self.timed_out = False  # no first byte within the first-byte timeout
         self._task: asyncio.Task | None = None  # the proxy's task while it waits
         self._role_events = role_events(routing)
         self._events = 0
@@ -73,26 +117,35 @@ class Exchange:
 
     # ------------------------------------------------------------------ ejection
 
-    def waiting(self) -> None:
-        """The request is on its way: until ``answered``, an ejection of the endpoint
-        cancels the current task (see ``absorb_ejection``)."""
-        self._task = asyncio.current_task()
+    def waiting(self, task: asyncio.Task) -> None:
+        """The request is on its way in ``task``: until ``answered``, an ejection of the
+        endpoint, or the first-byte deadline, cancels it (see ``absorb_ejection``)."""
+        self._task = task
         self.endpoint.unanswered.add(self)
+        self.state.first_byte.add(self, self.time_out, self.sent_at)
 
     def answered(self) -> None:
         """Its first byte came (or it ended): an ejection no longer concerns it."""
-        self._task = None
-        self.endpoint.unanswered.discard(self)
+        if self._task is not None:
+            self._task = None
+            self.endpoint.unanswered.discard(self)
+            self.state.first_byte.remove(self)
 
     def eject(self, reason: str) -> None:
-        if self._task is not None and self.ejected is None:
+        if self._task is not None and self.ejected is None and not self.timed_out:
             self.ejected = reason
+            self._task.cancel()
+
+    def time_out(self) -> None:
+        """The first-byte deadline passed (``Deadlines``)."""
+        if self._task is not None and self.ejected is None and not self.timed_out:
+            self.timed_out = True
             self._task.cancel()
 
     def absorb_ejection(self) -> bool:
         """After a CancelledError: True (and the cancellation is consumed) when it was the
-        endpoint's ejection."""
-        if self.ejected is None:
+        endpoint's ejection or the first-byte deadline (``timed_out``)."""
+        if self.ejected is None and not self.timed_out:
             return False
         task = asyncio.current_task()
         if task is not None:

@@ -9,7 +9,7 @@ chunk by chunk; one that breaks after its first byte ends with an SSE error even
 
 A timeout, a refused or broken connection ejects the endpoint (``EndpointSet.eject``): the
 requests waiting there for their first byte go elsewhere too. A kept-alive connection the
-worker closed just as a request was written is not a failure (``post``).
+worker closed just as a request was written is not a failure (``Upstream.request``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
     from sluice.router.tenants import KeyRing
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and ones the HTTP client or server sets itself.
 DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding",
@@ -100,10 +98,9 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
         return upstream, await anext(upstream, b""), True
 
     try:
-        exchange.waiting()
+        exchange.waiting(asyncio.current_task())
         try:
-            upstream, content, stream = await unless_disconnected(
-                request, _within(state.config.first_byte_timeout, first_byte))
+            upstream, content, stream = await unless_disconnected(request, first_byte())
         finally:
             exchange.answered()
         if upstream.status == 503:
@@ -121,6 +118,8 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
     except asyncio.CancelledError:
         if not exchange.absorb_ejection():
             raise
+        if exchange.timed_out:
+            return _timed_out(state, endpoint, exchange, "no first byte")
         exchange.on_complete(counted=False)
         raise TryElsewhere(f"its worker was ejected ({exchange.ejected})", refused=False,
                             sent=True) from None
@@ -132,16 +131,8 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
     except ConnectFailed as exc:  # not sent
         exchange.on_complete(counted=False)
         raise TryElsewhere(f"connect failed: {exc}", refused=True, kind="refused") from exc
-    except TimeoutError as exc:  # (a ReadTimeout too)
-        if state.endpoints.generating(endpoint):
-            logger.warning("no answer from %s in time; it is still generating, so only this "
-                           "request ends", endpoint.url)
-        else:
-            state.endpoints.eject(endpoint, "timeout",
-                                  f"no answer in time ({type(exc).__name__})")
-        exchange.status = 504
-        return openai_error(504, f"worker {endpoint.url} did not answer in time "
-                            f"({type(exc).__name__})", "server_error", code="upstream_timeout")
+    except TimeoutError as exc:  # (a ReadTimeout)
+        return _timed_out(state, endpoint, exchange, type(exc).__name__)
     except ConnectionLost as exc:  # sent, and the worker died before answering
         exchange.on_complete(counted=False)
         raise TryElsewhere(f"connection lost before the first byte: {exc}",
@@ -158,12 +149,19 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
             exchange.on_complete()
 
 
-async def _within(seconds: float, work: Callable[[], Awaitable[T]]) -> T:
-    """``await work()`` within ``seconds``. It takes the coroutine function, not a coroutine:
-    a ``_within`` closed before it starts (the client had left) then leaves no inner
-    coroutine unawaited (Python warns of one)."""
-    async with asyncio.timeout(seconds):  # no extra task, unlike wait_for
-        return await work()
+def _timed_out(state: RouterState, endpoint: Endpoint, exchange: Exchange,
+               why: str) -> Response:
+    """504: no first byte within ``--first-byte-timeout`` (``Exchange.time_out``), or a
+    ``ReadTimeout``. The worker is ejected unless it is still generating
+    (``EndpointSet.generating``): then only this request ends."""
+    if state.endpoints.generating(endpoint):
+        logger.warning("no answer from %s in time; it is still generating, so only this "
+                       "request ends", endpoint.url)
+    else:
+        state.endpoints.eject(endpoint, "timeout", f"no answer in time ({why})")
+    exchange.status = 504
+    return openai_error(504, f"worker {endpoint.url} did not answer in time ({why})",
+                        "server_error", code="upstream_timeout")
 
 
 def _close(upstream: UpstreamResponse) -> None:
