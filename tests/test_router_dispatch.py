@@ -424,7 +424,7 @@ def test_a_plain_answer_teaches_the_ttft_model_only_what_it_shows():
 def test_deadlines_fire_once_after_their_timeout_within_a_tick_and_never_once_removed():
     """``Deadlines``: one sweep timer for every first-byte deadline, running only while one
     is pending; an expired entry fires once, a removed one never."""
-    from sluice.router.exchange import Deadlines
+    from sluice.router.deadlines import Deadlines
 
     async def scenario() -> tuple[dict, bool, bool]:
         loop = asyncio.get_running_loop()

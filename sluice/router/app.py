@@ -74,7 +74,8 @@ from sluice.router.cascade import serve as serve_cascade
 from sluice.router.dispatch import (NO_WORKER_RETRY_AFTER_S, BadRoutingHeader, Dispatcher,
                                     DispatchSettings)
 from sluice.router.endpoints import EndpointSet
-from sluice.router.exchange import Deadlines, Exchange
+from sluice.router.deadlines import Deadlines
+from sluice.router.exchange import Exchange
 from sluice.router.metrics import DemandCollector, RouterMetrics
 from sluice.router.http import RouterHTTP
 from sluice.router.policy import DEFAULT_POLICY, POLICIES, RoutingRequest
@@ -379,7 +380,7 @@ def _count(state: RouterState, model: str | None, response: Response,
     settled unserved, refunding its tokens). Unknown names are not used as label values
     (clients choose them: unbounded), they count as ``model=""``."""
     status = response.status_code
-    state.metrics.request_counter(model or "", status).inc()
+    state.metrics.count_request(model or "", status)
     if charge is not None:
         charge.settle(status, None, time.monotonic(), served=False)
     elif tenant is not None:

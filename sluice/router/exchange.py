@@ -6,7 +6,7 @@ latency observations, the tenant's token charge, and its ejection.
                ▼
             eject(): cancels the proxy's wait; absorb_ejection() turns that into
             "try elsewhere" (the client has had nothing yet, so the request may be resent)
-               │ or no first byte within the first-byte timeout (``Deadlines``)
+               │ or no first byte within the first-byte timeout (``sluice.router.deadlines``)
                ▼
             time_out(): cancels the proxy's wait likewise; ``timed_out`` says it was that
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sluice.router.endpoints import HEADER_TTFT_MS, Endpoint, Lease, WorkerLoad
@@ -30,45 +29,6 @@ if TYPE_CHECKING:
 
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; only seen in metrics
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-
-
-class Deadlines:
-    """Deadlines of one length, checked by one periodic sweep rather than a timer each.
-
-    Each request sets a first-byte deadline; a timer of uvloop's costs about 8,000
-    instructions to start and stop, and ``asyncio.timeout`` around one about 27,000: 4 % of
-    the router's instructions a request (callgrind). Here a deadline is a dict entry, and
-    one timer, running while any is pending, sweeps them every ``tick_s``
-    (``timeout_s / 10``, at most 1 s): a deadline fires up to ``tick_s`` late.
-
-    Args:
-        timeout_s: seconds from ``add`` to the deadline.
-        clock: monotonic seconds (the dispatcher's).
-    """
-
-    def __init__(self, timeout_s: float, clock: Callable[[], float]):
-        self.timeout_s = timeout_s
-        self.tick_s = min(1.0, timeout_s / 10)
-        self.clock = clock
-        self._pending: dict[object, tuple[float, Callable[[], None]]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-
-    def add(self, key: object, expire: Callable[[], None], now: float) -> None:
-        """Call ``expire()`` once ``timeout_s`` after ``now``, unless ``key`` is removed."""
-        self._pending[key] = (now + self.timeout_s, expire)
-        if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.tick_s, self._sweep)
-
-    def remove(self, key: object) -> None:
-        self._pending.pop(key, None)
-
-    def _sweep(self) -> None:
-        now = self.clock()
-        due = [key for key, (deadline, _) in self._pending.items() if deadline <= now]
-        for key in due:
-            self._pending.pop(key)[1]()
-        self._timer = asyncio.get_running_loop().call_later(self.tick_s, self._sweep) \
-            if self._pending else None
 
 
 class Exchange:
@@ -137,7 +97,7 @@ class Exchange:
             self._task.cancel()
 
     def time_out(self) -> None:
-        """The first-byte deadline passed (``Deadlines``)."""
+        """The first-byte deadline passed (``RouterState.first_byte``)."""
         if self._task is not None and self.ejected is None and not self.timed_out:
             self.timed_out = True
             self._task.cancel()
@@ -217,7 +177,7 @@ class Exchange:
             self.state.dispatcher.demand.invalid(self.model)
         if counted:
             self._metrics.e2e.observe(now - self.start)
-            self.state.metrics.request_counter(self.model, self.status).inc()
+            self.state.metrics.count_request(self.model, self.status)
             if self.charge is not None:
                 self.charge.settle(self.status, self._used_tokens(), now)
 

@@ -21,7 +21,8 @@ What it does:
   connection is not pooled.
 - **Backpressure.** Reading pauses while more than ``HIGH_WATER`` bytes wait unconsumed.
 - **Timeouts.** ``connect_timeout`` for a new connection; ``read_timeout`` for each wait
-  for body bytes. The wait for the status line is the caller's (``sluice.router.proxy``:
+  for body bytes (checked by a sweep, ``sluice.router.deadlines``: up to a tenth of it, at
+  most 1 s, late). The wait for the status line is the caller's (``sluice.router.proxy``:
   the first-byte timeout).
 
 Errors: ``ConnectFailed`` (nothing was sent), ``ConnectionLost`` (with ``reused``: the
@@ -38,6 +39,8 @@ from collections import deque
 from urllib.parse import urlsplit
 
 import httptools
+
+from sluice.router.deadlines import Deadlines
 
 logger = logging.getLogger(__name__)
 
@@ -131,23 +134,26 @@ class UpstreamResponse:
         return chunk
 
     async def _wait(self) -> None:
-        """Until more of the answer arrives (or it fails), at most the read timeout.
-        (A timer a wait: about a third of ``asyncio.timeout``'s CPU.)"""
+        """Until more of the answer arrives (or it fails), at most the read timeout (a
+        deadline in the pool's sweep, ``sluice.router.deadlines``: a stream waits once a
+        chunk, and a timer a wait cost more than the rest of the chunk's relay)."""
         connection = self._connection
         waiter = self._waiter = connection.loop.create_future()
-        timer = None if connection.read_timeout is None else connection.loop.call_later(
-            connection.read_timeout, self._time_out, waiter)
+        deadlines = connection.pool.read_deadlines
+        if deadlines is not None:
+            deadlines.add(self, self._time_out, connection.loop.time())
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            if deadlines is not None:
+                deadlines.remove(self)
 
-    def _time_out(self, waiter: asyncio.Future[None]) -> None:
-        if not waiter.done():
+    def _time_out(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
             waiter.set_exception(ReadTimeout(f"no bytes from {self._connection.key} in "
-                                             f"{self._connection.read_timeout} s"))
+                                             f"{self._connection.pool.read_timeout} s"))
 
     def release(self) -> None:
         """Done with it: the connection goes back to the pool if it can be reused."""
@@ -188,7 +194,6 @@ class _Connection(asyncio.Protocol):
         self.pool = pool
         self.key = key
         self.loop = pool.loop
-        self.read_timeout = pool.read_timeout
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
@@ -340,6 +345,8 @@ class Upstream:
         self.loop = asyncio.get_running_loop()
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.read_deadlines = None if read_timeout is None else \
+            Deadlines(read_timeout, self.loop.time)
         self.keepalive_timeout = keepalive_timeout
         self._idle: dict[str, list[_Connection]] = {}  # oldest first
         self._open: set[_Connection] = set()
