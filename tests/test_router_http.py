@@ -83,9 +83,8 @@ async def app(scope, receive, send):
             EVENTS.append(f"sent {sent}")
 
 
-@pytest.fixture(scope="module")
-def server():
-    """uvicorn's server with RouterHTTP on a free port, in a thread; yields (host, port)."""
+def start_server() -> tuple[uvicorn.Server, threading.Thread, tuple[str, int]]:
+    """uvicorn's server with RouterHTTP on a free port, in a thread."""
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=RouterHTTP,
                             log_level="warning", timeout_keep_alive=1)
@@ -96,7 +95,14 @@ def server():
     while not srv.started:
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
-    yield ("127.0.0.1", port)
+    return srv, thread, ("127.0.0.1", port)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A server for the module; yields (host, port)."""
+    srv, thread, address = start_server()
+    yield address
     srv.should_exit = True
     thread.join(10)
 
@@ -256,3 +262,16 @@ def test_a_connection_kept_busy_is_not_closed_by_an_earlier_idle_timer(server):
             sock.sendall(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
             assert sock.recv(1000).startswith(b"HTTP/1.1 200 OK")
             time.sleep(0.3)
+
+
+def test_graceful_shutdown_finishes_the_answer_in_flight_then_ends():
+    srv, thread, address = start_server()
+    with socket.create_connection(address) as sock:
+        sock.sendall(b"GET /slow-body HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock.settimeout(2)
+        assert sock.recv(1000).startswith(b"HTTP/1.1 200 OK")  # the headers; body in 0.3 s
+        srv.should_exit = True
+        assert sock.recv(100) == b"late"
+        assert sock.recv(100) == b""  # closed after its answer (keep-alive off at shutdown)
+    thread.join(10)
+    assert not thread.is_alive() and not srv.server_state.tasks

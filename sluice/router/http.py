@@ -72,7 +72,7 @@ class Cycle:
 
     __slots__ = ("conn", "scope", "keep_alive", "expect_continue", "body", "more_body",
                  "delivered", "waiter", "gone", "started", "complete", "head", "chunked",
-                 "length_left", "status", "on_gone")
+                 "length_left", "status", "on_gone", "task")
 
     def __init__(self, conn: RouterHTTP, scope: dict[str, Any], keep_alive: bool,
                  expect_continue: bool):
@@ -92,6 +92,7 @@ class Cycle:
         self.length_left: int | None = None  # content-length still to send, when declared
         self.status = 0
         self.on_gone: Callable[[], None] | None = None
+        self.task: asyncio.Task | None = None  # the one running the app (``RouterHTTP._run``)
         scope["extensions"] = {DISCONNECT_EXTENSION: self.tell_when_gone}
 
     def tell_when_gone(self, callback: Callable[[], None]) -> None:
@@ -258,6 +259,8 @@ class Cycle:
             elif not self.complete and not self.gone:
                 logger.error("ASGI callable returned without completing response.")
                 self.conn.transport.close()
+        finally:  # (what a done callback would do, without the callback's own scheduling)
+            self.conn.server_state.tasks.discard(self.task)
 
 
 class RouterHTTP(asyncio.Protocol):
@@ -413,9 +416,10 @@ class RouterHTTP(asyncio.Protocol):
     # ------------------------------------------------------------------ answers
 
     def _run(self, cycle: Cycle) -> None:
-        task = self.loop.create_task(cycle.run(self.app))
-        task.add_done_callback(self.server_state.tasks.discard)
-        self.server_state.tasks.add(task)
+        """Run the app for ``cycle`` in a task of its own, which uvicorn's graceful
+        shutdown waits for (``server_state.tasks``; ``Cycle.run`` takes it out)."""
+        cycle.task = self.loop.create_task(cycle.run(self.app))
+        self.server_state.tasks.add(cycle.task)
 
     def answered(self, cycle: Cycle) -> None:
         """``cycle``'s answer is complete: start the next pipelined request, or wait for
