@@ -1,8 +1,10 @@
 """Router benchmarks: (1) the router's own overhead, (2) routing quality.
 
-1. Overhead. The same closed-loop ``sluice bench`` load against one upstream, three ways:
-   direct, through ``sluice router``, through ``vllm-router`` (the Rust router from the vLLM
-   project, PyPI ``vllm-router``, run from its own venv). The upstream is a *null worker*
+1. Overhead. The same closed-loop ``sluice bench`` load against one upstream, several ways:
+   direct, through ``sluice router``, through the same router on uvicorn's own HTTP protocol
+   (``--http httptools``: what ``sluice.router.http`` saves), through ``vllm-router`` (the
+   Rust router from the vLLM project, PyPI ``vllm-router``, run from its own venv; its
+   ``round_robin`` and ``cache_aware`` policies). The upstream is a *null worker*
    (this script, ``--serve-null``): an OpenAI-shaped server that streams ``--null-tokens``
    SSE chunks at once, so the latency added by a router is not buried under model time. A
    low-concurrency run gives the added p50/p99 end-to-end latency; a high-concurrency run
@@ -379,6 +381,11 @@ def overhead(args, model: Path, tmp: Path) -> dict:
         router, paths["sluice"] = start_router([upstream], tmp / "router.log")
         procs.append(router)
         pids = {"direct": None, "sluice": router.proc.pid}
+        # the same router on uvicorn's own HTTP protocol: what sluice.router.http saves
+        uvicorn_http, paths["sluice-httptools"] = start_router(
+            [upstream], tmp / "router-httptools.log", "--http", "httptools")
+        procs.append(uvicorn_http)
+        pids["sluice-httptools"] = uvicorn_http.proc.pid
         binary, how = vllm_router_binary()
         if binary is None:
             result["vllm_router"] = {"ran": False, "why": how}
@@ -453,7 +460,8 @@ def summarize_overhead(paths: dict) -> dict:
     if "sluice" in out and "vllm-router" in out and out["vllm-router"]["max_rps"]:
         out["sluice_vs_vllm_router_rps"] = out["sluice"]["max_rps"] / out["vllm-router"]["max_rps"]
     for name, key in (("vllm-router", "sluice_vs_vllm_router_cpu"),
-                      ("vllm-router-cache-aware", "sluice_vs_vllm_router_cache_aware_cpu")):
+                      ("vllm-router-cache-aware", "sluice_vs_vllm_router_cache_aware_cpu"),
+                      ("sluice-httptools", "sluice_vs_sluice_httptools_cpu")):
         theirs = out.get(name, {}).get("router_cpu_ms_per_request")
         ours = out.get("sluice", {}).get("router_cpu_ms_per_request")
         if theirs and ours is not None:
@@ -606,7 +614,9 @@ def print_tables(result: dict) -> None:
         for key, what in (("sluice_vs_vllm_router_rps", "sluice / vllm-router req/s"),
                           ("sluice_vs_vllm_router_cpu", "sluice / vllm-router CPU per request"),
                           ("sluice_vs_vllm_router_cache_aware_cpu",
-                           "sluice / vllm-router (cache_aware) CPU per request")):
+                           "sluice / vllm-router (cache_aware) CPU per request"),
+                          ("sluice_vs_sluice_httptools_cpu",
+                           "sluice / sluice on uvicorn's HTTP protocol, CPU per request")):
             if key in over["summary"]:
                 print(f"{what}: {over['summary'][key]:.2f}x")
         if not over.get("vllm_router", {}).get("ran", True):

@@ -32,7 +32,11 @@ def test_coprime_groups_and_overhead_summary():
              "vllm-router-cache-aware": {
                  "latency": [{"e2e_p50_ms": 1.2, "e2e_p99_ms": 2.5, "rps": 0, "failed": 0}],
                  "throughput": [{"rps": 90.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0, "failed": 0,
-                                 "router_cpu_ms_per_request": 0.4}]}}
+                                 "router_cpu_ms_per_request": 0.4}]},
+             "sluice-httptools": {
+                 "latency": [{"e2e_p50_ms": 1.6, "e2e_p99_ms": 3.1, "rps": 0, "failed": 0}],
+                 "throughput": [{"rps": 75.0, "e2e_p50_ms": 0, "e2e_p99_ms": 0, "failed": 0,
+                                 "router_cpu_ms_per_request": 0.75}]}}
     out = bench_router.summarize_overhead(paths)
     assert out["sluice"]["added_p50_ms"] == pytest.approx(0.5)
     assert out["sluice"]["added_p99_ms"] == pytest.approx(1.0)
@@ -42,6 +46,7 @@ def test_coprime_groups_and_overhead_summary():
     assert out["sluice_vs_vllm_router_rps"] == pytest.approx(80 / 90)
     assert out["sluice_vs_vllm_router_cpu"] == pytest.approx(2.0)
     assert out["sluice_vs_vllm_router_cache_aware_cpu"] == pytest.approx(1.5)
+    assert out["sluice_vs_sluice_httptools_cpu"] == pytest.approx(0.8)
 
 
 @pytest.mark.slow
@@ -62,6 +67,7 @@ def test_router_bench_tiny(tmp_path):
     summary = result["overhead"]["summary"]
     assert summary["direct"]["failed"] == 0 and summary["sluice"]["failed"] == 0
     assert summary["sluice"]["max_rps"] > 0 and "added_p50_ms" in summary["sluice"]
+    assert summary["sluice-httptools"]["failed"] == 0 and summary["sluice-httptools"]["max_rps"] > 0
     vllm = result["overhead"]["vllm_router"]
     assert vllm["ran"] == ("vllm-router" in summary) and (vllm["ran"] or vllm["why"])
     assert vllm["ran"] == ("vllm-router-cache-aware" in summary)
