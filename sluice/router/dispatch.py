@@ -135,6 +135,9 @@ def _priority(value: Any, param: str) -> int:
     return number
 
 
+NO_SETTINGS = ModelSettings()  # a model no InferenceService declares (frozen: shared)
+
+
 class Dispatcher:
     """Admission, policy and latency models of one router (created in its lifespan).
 
@@ -188,7 +191,7 @@ class Dispatcher:
                 priority more urgent than ``ceiling`` (403).
         """
         model = body["model"]
-        declared = self.endpoints.settings.get(model) or ModelSettings()
+        declared = self.endpoints.settings.get(model) or NO_SETTINGS
         declared_ttft, declared_itl = declared.ttft_ms, declared.itl_ms
         ttft_ms = headers.get(HEADER_TTFT)
         itl_ms = headers.get(HEADER_ITL)
