@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 import uvicorn
+from conftest import free_port
 
 from sluice.router.http import MAX_HEAD_BYTES, RouterHTTP
 from sluice.router.relay import DISCONNECT_EXTENSION
-from conftest import free_port
 
 EVENTS: list[str] = []  # what the app saw (disconnect callbacks), for the tests to read
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from http import HTTPStatus
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 import httptools
