@@ -189,6 +189,27 @@ def test_the_status_line_and_headers_are_not_held_back_for_a_late_body(server):
         assert sock.recv(100) == b"late"
 
 
+def test_an_upgrade_request_is_answered_over_http_1_1_with_its_body_then_closed(server):
+    """``curl --http2`` on an http:// URL asks to upgrade to h2c; llhttp leaves the body to
+    the new protocol (uvicorn's protocol gave the app an empty body). Here the body arrives
+    in two packets, and bytes after it are dropped with the connection."""
+    with socket.create_connection(server) as sock:
+        sock.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, HTTP2-Settings"
+                     b"\r\nupgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+                     b"content-length: 11\r\n\r\nhello")
+        time.sleep(0.1)
+        sock.sendall(b" world" + b"GET /echo HTTP/1.1\r\n\r\n")
+        sock.settimeout(2)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+    assert out.startswith(b"HTTP/1.1 200 OK\r\n") and out.count(b"HTTP/1.1") == 1
+    assert b"\r\nconnection: close\r\n" in out and out.endswith(b"\r\n\r\nhello world")
+    websocket = raw(server, b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: Upgrade\r\n"
+                    b"upgrade: websocket\r\n\r\n")
+    assert websocket.startswith(b"HTTP/1.1 200 OK\r\n") and websocket.endswith(b"\r\n\r\n")
+
+
 def test_a_malformed_request_is_400_and_closed(server):
     out = raw(server, b"GARBAGE\x00 / HTTP/1.1\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 400 Bad Request\r\n")

@@ -11,14 +11,16 @@ the router's ``DISCONNECT_EXTENSION``: a callback instead of a task reading ``re
 for an app that fails before answering, uvicorn's access-log line, ``date``/``server``
 headers, and uvicorn's graceful shutdown (``shutdown``, ``server_state.tasks``).
 
-Why: at 1,000 concurrent streams through a null worker, uvicorn's protocol (a scope built
-from ``httptools.parse_url``, an ``asyncio.Event`` a request, a regular expression per
-response header, the status line and body in two writes) was 0.27-0.32 ms of CPU a request
-for a fixed answer and this one 0.17-0.21 ms (``bench/router.py --only overhead`` compares
-the router on both). What it does not do: WebSocket upgrades (the router serves none: an
-``Upgrade`` header is ignored and the request answered over HTTP/1.1), TLS-specific
-behaviour beyond the scheme, and uvicorn's ``--limit-concurrency`` (the router's admission
-control bounds work instead).
+Why: the router's own work a request is small, so the server's share is large. Under
+uvicorn's protocol (a scope built with ``httptools.parse_url``, an ``asyncio.Event`` and a
+task reading ``receive`` a request, two regular expressions per response header, the status
+line and the body in two writes) the router ran 767,000 instructions a request (callgrind,
+100 concurrent streams through a null worker) and 3 writes; on this one, 715,000 and 2
+(strace). ``bench/router.py --only overhead`` compares the router on both.
+
+What it does not do: WebSocket or h2c upgrades (the router serves none: such a request is
+answered over HTTP/1.1, body included, and the connection then closed), TLS beyond the
+scheme, and uvicorn's ``--limit-concurrency`` (the router's admission control bounds work).
 """
 
 from __future__ import annotations
@@ -301,6 +303,7 @@ class RouterHTTP(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_bytes = 0
         self.expect_continue = False
+        self.upgrade_left: int | None = None  # body bytes still due after an ignored upgrade
 
     # ------------------------------------------------------------------ connection
 
@@ -332,16 +335,47 @@ class RouterHTTP(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.idle_since = None
+        if self.upgrade_left is not None:
+            self._upgrade_body(data)
+            return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            logger.warning("Unsupported upgrade request.")  # (answered over HTTP/1.1)
+        except httptools.HttpParserUpgrade as exc:
+            self._ignore_upgrade(data[exc.args[0]:])
         except httptools.HttpParserError as exc:
             if isinstance(exc.__context__, _HeadTooLarge):  # (a callback's, wrapped)
                 self._refuse(431, "Request header fields too large.")
             else:
                 logger.warning("Invalid HTTP request received.")
                 self._refuse(400, "Invalid HTTP request received.")
+
+    def _ignore_upgrade(self, rest: bytes) -> None:
+        """llhttp stops at a request asking to upgrade (h2c from ``curl --http2``, a
+        WebSocket) and leaves what follows its headers to the new protocol. The router
+        answers over HTTP/1.1 instead: those bytes are the request's body (its
+        content-length; none without one), and the connection closes after the answer,
+        since the parser cannot go on. (uvicorn's protocol gave such a request an empty
+        body.)"""
+        cycle = self.cycles[-1]
+        cycle.keep_alive = False
+        length = next((int(value) for name, value in cycle.scope["headers"]
+                       if name == b"content-length"), 0)  # (llhttp checked it is a number)
+        self.upgrade_left = length
+        if length:
+            cycle.more_body = True  # (llhttp said it was complete: its app has not run yet)
+        self._upgrade_body(rest)
+
+    def _upgrade_body(self, data: bytes) -> None:
+        """The body of a request whose upgrade was ignored, up to its length; anything
+        after it is dropped."""
+        if not self.upgrade_left:
+            return
+        part = data[:self.upgrade_left]
+        self.upgrade_left -= len(part)
+        if part:
+            self.on_body(part)
+        if not self.upgrade_left:
+            self.on_message_complete()
 
     def _refuse(self, code: int, text: str) -> None:
         if not self.cycles or not self.cycles[0].started:
