@@ -14,14 +14,14 @@ import pytest
 import uvicorn
 from conftest import free_port
 
-from sluice.router.http import MAX_HEAD_BYTES, RouterHTTP
+from sluice.router.http import MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MAX_TARGET_BYTES, RouterHTTP
 from sluice.router.relay import DISCONNECT_EXTENSION
 
 EVENTS: list[str] = []  # what the app saw (disconnect callbacks), for the tests to read
 
 
 async def app(scope, receive, send):
-    """Routes: /echo (the body back, content-length), /chunks (a body in 3 chunks, no
+    """Routes: /early (401 before reading the body), /echo (the body back, content-length), /chunks (a body in 3 chunks, no
     length), /slow-body (headers, then the body 0.3 s later), /boom (raises before
     answering), /cut (raises mid-answer), /split (a header value with CRLF), /none (returns
     without answering), /wait-gone (waits for the client to leave: the extension),
@@ -32,6 +32,11 @@ async def app(scope, receive, send):
         await send({"type": "lifespan.shutdown.complete"})
         return
     path = scope["path"]
+    if path == "/early":  # answers before reading the body (as a 401 or a 413 does)
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+        return
     body = b""
     while True:
         message = await receive()
@@ -213,6 +218,7 @@ def test_an_upgrade_request_is_answered_over_http_1_1_with_its_body_then_closed(
 def test_a_malformed_request_is_400_and_closed(server):
     out = raw(server, b"GARBAGE\x00 / HTTP/1.1\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert b"\r\nserver: uvicorn\r\n" in out and b"\r\ndate: " in out
     assert out.endswith(b"Invalid HTTP request received.")
 
 
@@ -220,6 +226,39 @@ def test_header_fields_past_the_bound_are_431_and_closed(server):
     big = b"x-big: " + b"a" * 8000 + b"\r\n"
     out = raw(server, b"GET /echo HTTP/1.1\r\nhost: x\r\n" + big * (MAX_HEAD_BYTES // 8000 + 2))
     assert out.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    many = raw(server, b"GET /echo HTTP/1.1\r\n" + b"a:\r\n" * (MAX_HEADER_FIELDS + 1) + b"\r\n")
+    assert many.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    fine = raw(server, b"GET /echo HTTP/1.1\r\n" + b"a:\r\n" * (MAX_HEADER_FIELDS - 1) +
+               b"connection: close\r\n\r\n")
+    assert fine.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+def test_a_request_target_past_the_bound_is_414_and_closed(server):
+    out = raw(server, b"GET /echo?" + b"q" * MAX_TARGET_BYTES + b" HTTP/1.1\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 414 ") and out.endswith(b"Request target too long.")
+
+
+def test_a_fragment_in_the_request_target_is_not_part_of_the_path_or_query(server):
+    out = raw(server, b"GET /echo?q=1#frag HTTP/1.1\r\nhost: x\r\n\r\n", wait=0.3)
+    assert out.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nx-query: q=1\r\n" in out
+
+
+def test_a_body_still_arriving_after_its_answer_is_dropped_and_the_connection_goes_on(server):
+    """An answer before the body was read (a 401, a 413): the rest of the body that arrives
+    later is read and dropped, and the next request on the connection is answered (it was
+    a parse error, a 400 and a closed connection)."""
+    with socket.create_connection(server) as sock:
+        sock.settimeout(2)
+        for head, body in ((b"content-length: 10\r\n", b"0123456789"),
+                           (b"transfer-encoding: chunked\r\n", b"5\r\nhello\r\n0\r\n\r\n")):
+            sock.sendall(b"POST /early HTTP/1.1\r\nhost: x\r\n" + head + b"\r\n")
+            assert sock.recv(1000).startswith(b"HTTP/1.1 401 Unauthorized\r\n")
+            time.sleep(0.1)
+            sock.sendall(body)
+            time.sleep(0.1)
+            sock.sendall(b"GET /echo?after HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = sock.recv(1000)
+            assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"x-query: after" in answer
 
 
 def test_an_app_failing_before_its_answer_gives_500_and_after_it_a_cut_connection(server):
@@ -285,14 +324,18 @@ def test_a_connection_kept_busy_is_not_closed_by_an_earlier_idle_timer(server):
             time.sleep(0.3)
 
 
-def test_graceful_shutdown_finishes_the_answer_in_flight_then_ends():
+def test_graceful_shutdown_finishes_the_answers_in_flight_and_pipelined_then_ends():
     srv, thread, address = start_server()
     with socket.create_connection(address) as sock:
-        sock.sendall(b"GET /slow-body HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock.sendall(b"GET /slow-body HTTP/1.1\r\nhost: x\r\n\r\n"
+                     b"GET /echo?next HTTP/1.1\r\nhost: x\r\n\r\n")
         sock.settimeout(2)
         assert sock.recv(1000).startswith(b"HTTP/1.1 200 OK")  # the headers; body in 0.3 s
         srv.should_exit = True
-        assert sock.recv(100) == b"late"
-        assert sock.recv(100) == b""  # closed after its answer (keep-alive off at shutdown)
+        rest = b""
+        while chunk := sock.recv(1000):  # (until the server closes the connection)
+            rest += chunk
+    assert rest.startswith(b"late") and rest.count(b"HTTP/1.1 200 OK") == 1
+    assert b"x-query: next" in rest and b"connection: close" in rest
     thread.join(10)
     assert not thread.is_alive() and not srv.server_state.tasks

@@ -130,6 +130,34 @@ def test_a_first_byte_wait_given_up_before_it_starts_leaves_no_coroutine_unawait
     assert not [w for w in caught if "never awaited" in str(w.message)], caught
 
 
+def test_a_relay_the_client_left_before_it_began_still_releases_its_answer():
+    """The client left before its stream's first send: the source never starts, so its own
+    ``finally`` never runs; ``on_close`` still releases the upstream answer and the
+    exchange, once."""
+    from sluice.router.relay import RelayResponse, _DisconnectWatch
+
+    started, closed, sent = [], [], []
+
+    async def source():
+        started.append(True)
+        yield b"data: x\n\n"
+
+    async def go():
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+        _DisconnectWatch.of(scope, receive)
+        await asyncio.sleep(0)  # the watcher sees the client gone
+        response = RelayResponse(source(), 200, {}, on_close=lambda: closed.append(True))
+        await response(scope, receive, send)
+
+    asyncio.run(go())
+    assert (started, sent, closed) == ([], [], [True])
+
+
 def test_the_headers_a_connection_header_names_are_not_forwarded():
     """Hop-by-hop headers stay at the router, and so do the ones the client's Connection
     header lists (RFC 9110 §7.6.1); a repeated header goes on with its last value, the one

@@ -174,7 +174,8 @@ class Held:
         plain: a plain answer's response, ready to send; None for a stream.
         events: a stream's held SSE events.
         partial: the start of the next event, when the stream was held mid-event.
-        rest: the rest of a stream still open (None: it ended, or a plain answer).
+        rest: the tier's response of a stream still open, its source read up to ``events``
+            (None: it ended, or a plain answer).
         strip: remove logprobs from what is sent (the client did not ask for them).
         headers: the tier's response headers.
     """
@@ -184,7 +185,7 @@ class Held:
     plain: Response | None = None
     events: list[bytes] = field(default_factory=list)
     partial: bytes = b""
-    rest: AsyncIterator[bytes] | None = None
+    rest: RelayResponse | None = None
     strip: bool = False
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -192,13 +193,16 @@ class Held:
         """The client's response: the plain answer, or the held events then the rest."""
         if self.plain is not None:
             return self.plain
-        return RelayResponse(_replay(self.events, self.partial, self.rest, self.strip), 200,
-                             self.headers)
+        rest = self.rest
+        return RelayResponse(_replay(self.events, self.partial,
+                                     rest.chunks if rest is not None else None, self.strip),
+                             200, self.headers,
+                             on_close=rest.on_close if rest is not None else None)
 
     async def discard(self) -> None:
         """Not sent: close a stream still open (its worker aborts the request)."""
         if self.rest is not None:
-            await self.rest.aclose()  # type: ignore[attr-defined]
+            await self.rest.aclose()
 
 
 async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier: int,
@@ -241,17 +245,17 @@ async def _judge(request: Request, cascade: Cascade, body: dict[str, Any], tier:
         events, partial, done = await unless_disconnected(
             request, _hold(response.chunks, chat, limit))
     except ClientDisconnected:
-        await response.chunks.aclose()  # type: ignore[attr-defined]
+        await response.aclose()
         return Response(status_code=CLIENT_CLOSED)
     if done:
-        await response.chunks.aclose()  # type: ignore[attr-defined]
+        await response.aclose()
         # the relay's (or the worker's) error event ends a stream, just before [DONE]
         if any("error" in (_data(e) or {}) for e in events[-2:]):  # broke mid-answer:
             return Response(status_code=502)  # a tier error, not an answer to judge
     per_choice = _stream_logprobs(events, chat)
     scores = await _worst(cascade.policy, body, per_choice, _stream_texts(events, chat))
     return Held(scores, sum(map(len, per_choice)), events=events, partial=partial,
-                rest=None if done else response.chunks, strip=strip, headers=headers)
+                rest=None if done else response, strip=strip, headers=headers)
 
 
 def _asked_logprobs(body: Mapping[str, Any], chat: bool) -> bool:

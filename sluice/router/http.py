@@ -40,7 +40,9 @@ logger = logging.getLogger("uvicorn.error")  # (uvicorn's loggers: same configur
 access_logger = logging.getLogger("uvicorn.access")
 
 HIGH_WATER = 64 * 1024  # request body bytes buffered before reading pauses
-MAX_HEAD_BYTES = 1024 * 1024  # a request line and header fields past this: 431, closed
+MAX_TARGET_BYTES = 64 * 1024  # a request target past this: 414, closed
+MAX_HEAD_BYTES = 1024 * 1024  # header field lines past this: 431, closed
+MAX_HEADER_FIELDS = 1000  # header fields past this: 431, closed
 STATUS_LINE = {code: b"HTTP/1.1 %d %s\r\n" % (code, HTTPStatus(code).phrase.encode())
                for code in HTTPStatus}
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -52,12 +54,13 @@ def _status_line(code: int) -> bytes:
     return STATUS_LINE.get(code) or b"HTTP/1.1 %d \r\n" % code
 
 
-def _plain(code: int, text: str) -> bytes:
+def _plain(code: int, text: str, default_headers: list[tuple[bytes, bytes]]) -> bytes:
     """A whole plain-text answer that closes the connection (parser errors)."""
     body = text.encode()
-    return _status_line(code) + (b"content-type: text/plain; charset=utf-8\r\n"
-                                 b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-                                 ) + body
+    return b"".join([_status_line(code), *(name + b": " + value + b"\r\n"
+                                           for name, value in default_headers),
+                     b"content-type: text/plain; charset=utf-8\r\n"
+                     b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body), body])
 
 
 class Cycle:
@@ -293,6 +296,8 @@ class RouterHTTP(asyncio.Protocol):
         self.client: tuple[str, int] | None = None
         self.scheme = "http"
         self.cycles: deque[Cycle] = deque()  # the one answered first, then pipelined ones
+        self.parsing: Cycle | None = None  # the request whose body is being read (last in)
+        self.closing = False  # graceful shutdown: the last answer closes the connection
         self.idle: asyncio.TimerHandle | None = None  # the keep-alive timeout's check
         self.idle_since: float | None = None  # loop time of the last answer; None: busy
         self.write_paused = False
@@ -326,12 +331,12 @@ class RouterHTTP(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """Graceful shutdown (uvicorn's server calls it): an idle connection closes now, a
-        busy one after its answer."""
+        busy one after its answers (the pipelined ones too)."""
+        self.closing = True
         if not self.cycles:
             self.transport.close()
         else:
-            for cycle in self.cycles:
-                cycle.keep_alive = False
+            self.cycles[-1].keep_alive = False
 
     def data_received(self, data: bytes) -> None:
         self.idle_since = None
@@ -343,7 +348,9 @@ class RouterHTTP(asyncio.Protocol):
         except httptools.HttpParserUpgrade as exc:
             self._ignore_upgrade(data[exc.args[0]:])
         except httptools.HttpParserError as exc:
-            if isinstance(exc.__context__, _HeadTooLarge):  # (a callback's, wrapped)
+            if isinstance(exc.__context__, _TargetTooLong):  # (a callback's, wrapped)
+                self._refuse(414, "Request target too long.")
+            elif isinstance(exc.__context__, _HeadTooLarge):
                 self._refuse(431, "Request header fields too large.")
             else:
                 logger.warning("Invalid HTTP request received.")
@@ -356,7 +363,7 @@ class RouterHTTP(asyncio.Protocol):
         content-length; none without one), and the connection closes after the answer,
         since the parser cannot go on. (uvicorn's protocol gave such a request an empty
         body.)"""
-        cycle = self.cycles[-1]
+        cycle = self.parsing
         cycle.keep_alive = False
         length = next((int(value) for name, value in cycle.scope["headers"]
                        if name == b"content-length"), 0)  # (llhttp checked it is a number)
@@ -379,7 +386,7 @@ class RouterHTTP(asyncio.Protocol):
 
     def _refuse(self, code: int, text: str) -> None:
         if not self.cycles or not self.cycles[0].started:
-            self.transport.write(_plain(code, text))
+            self.transport.write(_plain(code, text, self.server_state.default_headers))
         self.transport.close()
 
     # ------------------------------------------------------------------ parser callbacks
@@ -392,13 +399,12 @@ class RouterHTTP(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        self.head_bytes += len(url)
-        if self.head_bytes > MAX_HEAD_BYTES:
-            raise _HeadTooLarge
+        if len(self.url) > MAX_TARGET_BYTES:
+            raise _TargetTooLong
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_bytes += len(name) + len(value)
-        if self.head_bytes > MAX_HEAD_BYTES:
+        self.head_bytes += len(name) + len(value) + 4  # (": ", CRLF)
+        if self.head_bytes > MAX_HEAD_BYTES or len(self.headers) >= MAX_HEADER_FIELDS:
             raise _HeadTooLarge
         name = name.lower()
         value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace (RFC 9110 §5.5)
@@ -409,7 +415,7 @@ class RouterHTTP(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         parser = self.parser
         version = parser.get_http_version()
-        url = self.url
+        url = self.url.partition(b"#")[0]  # (a fragment is the client's own)
         if url[:1] != b"/":  # absolute form (or "*")
             parsed = httptools.parse_url(url)
             raw_path, query = parsed.path or b"/", parsed.query or b""
@@ -425,8 +431,9 @@ class RouterHTTP(asyncio.Protocol):
                  "root_path": self.root_path, "path": self.root_path + path,
                  "raw_path": self.root_path.encode() + raw_path, "query_string": query,
                  "headers": self.headers, "state": self.app_state.copy()}
-        cycle = Cycle(self, scope, version != "1.0" and parser.should_keep_alive(),
-                      self.expect_continue)
+        cycle = self.parsing = Cycle(
+            self, scope, version != "1.0" and parser.should_keep_alive() and not self.closing,
+            self.expect_continue)
         self.cycles.append(cycle)
         if len(self.cycles) == 1:
             self._run(cycle)
@@ -434,8 +441,8 @@ class RouterHTTP(asyncio.Protocol):
             self.pause_reading()
 
     def on_body(self, body: bytes) -> None:
-        cycle = self.cycles[-1]
-        if cycle.complete:
+        cycle = self.parsing
+        if cycle.complete:  # answered before its body was read (a 401, a 413): dropped
             return
         cycle.body += body
         if len(cycle.body) > HIGH_WATER:
@@ -443,7 +450,7 @@ class RouterHTTP(asyncio.Protocol):
         cycle.wake()
 
     def on_message_complete(self) -> None:
-        cycle = self.cycles[-1]
+        cycle = self.parsing
         cycle.more_body = False
         cycle.wake()
 
@@ -492,7 +499,7 @@ class RouterHTTP(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.read_paused and not (self.cycles and len(self.cycles[-1].body) > HIGH_WATER):
+        if self.read_paused and not (self.parsing and len(self.parsing.body) > HIGH_WATER):
             self.read_paused = False
             self.transport.resume_reading()
 
@@ -516,8 +523,12 @@ class RouterHTTP(asyncio.Protocol):
 
 
 class _HeadTooLarge(Exception):
-    """A request line and header fields past ``MAX_HEAD_BYTES`` (raised from a parser
+    """Header fields past ``MAX_HEAD_BYTES`` or ``MAX_HEADER_FIELDS`` (raised from a parser
     callback; ``feed_data`` raises an ``HttpParserCallbackError`` whose context it is)."""
+
+
+class _TargetTooLong(Exception):
+    """A request target past ``MAX_TARGET_BYTES`` (likewise)."""
 
 
 def _address(info: Any) -> tuple[str, int] | None:

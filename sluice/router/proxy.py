@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response
@@ -109,10 +109,11 @@ async def forward(request: Request, state: RouterState, endpoint: Endpoint, path
         out_headers = response_headers(upstream)
         if stream:
             streaming = True
-            return RelayResponse(_relay(upstream, exchange, content or b""),
+            finish = _finisher(upstream, exchange)
+            return RelayResponse(_relay(upstream, exchange, content or b"", finish),
                                  upstream.status, out_headers,
                                  on_disconnect=lambda: setattr(exchange, "status", CLIENT_CLOSED),
-                                 ended=upstream.at_eof)
+                                 ended=upstream.at_eof, on_close=finish)
         exchange.on_body(content)
         return Response(content, upstream.status, out_headers)
     except asyncio.CancelledError:
@@ -173,10 +174,25 @@ def _close(upstream: UpstreamResponse) -> None:
         upstream.close()
 
 
-async def _relay(upstream: UpstreamResponse, exchange: Exchange,
-                 first: bytes) -> AsyncIterator[bytes]:
-    """Yield ``first``, then the rest of the worker's bytes as they arrive; close the
-    upstream response when done, failed, or closed early (client gone)."""
+def _finisher(upstream: UpstreamResponse, exchange: Exchange) -> Callable[[], None]:
+    """Close a relayed answer and complete its exchange, once: from the relay's ``finally``
+    when it ran, else from its ``RelayResponse``'s ``on_close`` (a relay that never started
+    runs no ``finally``: the client left before its answer began)."""
+    finished = False
+
+    def finish() -> None:
+        nonlocal finished
+        if not finished:
+            finished = True
+            _close(upstream)
+            exchange.on_complete()
+    return finish
+
+
+async def _relay(upstream: UpstreamResponse, exchange: Exchange, first: bytes,
+                 finish: Callable[[], None]) -> AsyncIterator[bytes]:
+    """Yield ``first``, then the rest of the worker's bytes as they arrive; ``finish`` when
+    done, failed, or closed early (client gone)."""
     try:
         if first:
             exchange.on_chunk(first)
@@ -199,8 +215,7 @@ async def _relay(upstream: UpstreamResponse, exchange: Exchange,
                            "type": "server_error", "param": None, "code": "upstream_error"}}
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
-        _close(upstream)
-        exchange.on_complete()
+        finish()
 
 
 def forward_headers(request: Request, keys: KeyRing | None) -> dict[str, str]:

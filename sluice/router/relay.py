@@ -134,8 +134,11 @@ def _close(work: Any) -> None:
 class RelayResponse(Response):
     """Streams an async byte iterator; stops it as soon as the client disconnects.
 
-    Unlike Starlette's StreamingResponse this always closes the iterator (running its
-    ``finally``) on every exit path, including a disconnect before the first chunk.
+    Unlike Starlette's StreamingResponse this always closes the iterator on every exit
+    path, and then calls ``on_close()``: the iterator's own ``finally`` does not run when
+    it never started (the client left before its answer began, or the first ``send``
+    failed), so what must be released whatever happens (the upstream answer, the request's
+    lease) is released there.
 
     ``ended``, asked after each chunk, says when the source has nothing more (an upstream
     answer read to its end): that chunk is then sent as the body's last, rather than
@@ -145,10 +148,12 @@ class RelayResponse(Response):
 
     def __init__(self, chunks: AsyncIterator[bytes], status_code: int, headers: dict[str, str],
                  on_disconnect: Callable[[], None] = lambda: None,
-                 ended: Callable[[], bool] = lambda: False):
+                 ended: Callable[[], bool] = lambda: False,
+                 on_close: Callable[[], None] | None = None):
         self.chunks = chunks
         self.on_disconnect = on_disconnect
         self.ended = ended
+        self.on_close = on_close
         self.status_code = status_code
         self.background = None
         self.init_headers(headers)
@@ -181,4 +186,11 @@ class RelayResponse(Response):
             self.on_disconnect()
         finally:
             watch.stop()
-            await self.chunks.aclose()
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the source, then ``on_close()`` (once it is sent, or when it will not be:
+        whether or not the source ever started)."""
+        await self.chunks.aclose()  # type: ignore[attr-defined]
+        if self.on_close is not None:
+            self.on_close()
