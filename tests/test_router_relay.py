@@ -29,8 +29,9 @@ BODY = {"model": DEFAULT_MODEL, "prompt": "hello", "max_tokens": 8, "stream": Tr
 
 
 @contextlib.contextmanager
-def null_and_router(tokens: int, gap_ms: float, tmp: Path):
-    """(direct URL, router URL): a null worker streaming ``tokens`` events, and a router."""
+def null_and_router(tokens: int, gap_ms: float, tmp: Path, http: str = "sluice"):
+    """(direct URL, router URL): a null worker streaming ``tokens`` events, and a router
+    on the HTTP protocol ``http`` (``sluice router --http``)."""
     null_port = free_port()
     direct = f"http://127.0.0.1:{null_port}"
     null = bench_router.Proc([sys.executable, "bench/router.py", "--serve-null", str(null_port),
@@ -40,7 +41,7 @@ def null_and_router(tokens: int, gap_ms: float, tmp: Path):
         null.ready(f"{direct}/health", timeout=60)
         router_port = free_port()
         with serve(["--log-level", "WARNING", "router", "--port", str(router_port),
-                    "--worker", direct], router_port, timeout=60, log=tmp / "router.log") as routed:
+                    "--worker", direct, "--http", http], router_port, timeout=60, log=tmp / "router.log") as routed:
             yield direct, routed
     finally:
         null.stop()
@@ -178,6 +179,39 @@ def test_the_headers_a_connection_header_names_are_not_forwarded():
     plain = ProxyRequest({"type": "http", "method": "POST", "path": "/",
                           "headers": [(b"connection", b"keep-alive"), (b"x-trace", b"1")]})
     assert forward_headers(plain, None) == {"x-trace": "1", "accept-encoding": "identity"}
+
+
+@pytest.mark.parametrize("http", ["sluice", "httptools"])
+def test_http_picks_the_protocol_only_the_routers_own_keeps_an_upgrade_requests_body(
+        http, tmp_path):
+    """``curl --http2 -d ...`` on an http:// URL asks to upgrade to h2c. Under ``--http
+    sluice`` (the default) the request is answered over HTTP/1.1 with its body, then the
+    connection closes; under ``--http httptools`` (uvicorn's protocol) the app gets an empty
+    body and answers 400. Over a raw socket, as curl sends it."""
+    import json
+    import socket
+
+    body = json.dumps({**BODY, "stream": False}).encode()
+    with null_and_router(4, 0.0, tmp_path, http) as (_, routed):
+        port = int(routed.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                         b"connection: Upgrade, HTTP2-Settings\r\nupgrade: h2c\r\n"
+                         b"http2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+                         b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            answer = b""
+            while chunk := sock.recv(65536):  # the router closes after an upgrade request
+                answer += chunk
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        if http == "sluice":
+            assert head.startswith(b"HTTP/1.1 200 ")
+            assert b"connection: close" in head.lower()
+            assert json.loads(rest)["choices"][0]["text"] == " x" * 4
+        else:
+            assert head.startswith(b"HTTP/1.1 400 ")
+            assert json.loads(rest)["error"]["message"].startswith(
+                "the request body is not valid JSON")
 
 
 def test_header_fields_past_the_bound_are_431_and_the_worker_stays_in(tmp_path):
