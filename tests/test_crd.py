@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from sluice.api import crd
-from sluice.api.service import API_VERSION, KIND, ModelSpec, parse_manifest
+from sluice.api.names import API_VERSION, KIND
+from sluice.api.service import ModelSpec, parse_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

@@ -6,7 +6,8 @@ import copy
 
 import pytest
 
-from sluice.api.service import API_VERSION, KIND, SpeculativeSpec
+from sluice.api.names import API_VERSION, KIND
+from sluice.api.service import SpeculativeSpec
 from sluice.operator import resources as r
 from sluice.operator.resources import InvalidSpec, ModelCache, OperatorConfig
 from sluice.operator.status import Probe, compute_status, pod_problem, ready_addresses

@@ -1,10 +1,15 @@
-"""What a non-editable install ships: every data file the package reads at run time."""
+"""What a non-editable install ships (every data file the package reads at run time), and
+the import floors between the package's parts."""
 
 from __future__ import annotations
 
 import fnmatch
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,3 +32,25 @@ def test_every_data_file_under_sluice_is_declared_as_package_data():
         if not shipped:
             undeclared.append(str(rel))
     assert undeclared == []
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("sluice.api", {"worker", "operator", "router", "local", "autoscale", "cascade", "sim"}),
+    ("sluice.router", {"worker", "operator"}),
+    ("sluice.operator", {"worker", "router"}),
+    ("sluice.worker", {"router", "operator"}),
+])
+def test_layering_each_component_imports_no_other_component(package, forbidden):
+    """``sluice/api`` is the bottom floor, and the three components share only what lies
+    below them (style.md, "Layering"): importing every module of ``package`` loads none of
+    the ``forbidden`` subpackages of ``sluice``. Each in a fresh interpreter."""
+    code = ("import importlib, pkgutil, sys\n"
+            f"package = importlib.import_module({package!r})\n"
+            "for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+            "    importlib.import_module(module.name)\n"
+            "print(' '.join(sorted({n.split('.')[1] for n in sys.modules"
+            " if n.startswith('sluice.')})))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, check=True).stdout.split()
+    assert package.split(".")[1] in out
+    assert not set(out) & forbidden, f"{package} imports sluice.{set(out) & forbidden}"

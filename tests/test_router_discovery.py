@@ -560,7 +560,7 @@ def test_router_follows_inferenceservices_and_ready_endpoints(cluster, tmp_path)
     # SIGTERM ends the router at once: no watch thread holds up its shutdown
     assert time.monotonic() - stopping < 10
 
-    from sluice.operator.resources import MANAGED_SELECTOR
+    from sluice.api.names import MANAGED_SELECTOR
     assert {q.get("labelSelector") for p, q in api.requests if p == CORE_PATH} == {MANAGED_SELECTOR}
     assert {q.get("labelSelector") for p, q in api.requests if p == GROUP_PATH} == {None}
     watches = [q for p, q in api.requests if q.get("watch") == "true"]

@@ -9,9 +9,8 @@ from typing import get_args
 import pytest
 import yaml
 
+from sluice.api.names import API_VERSION, KIND
 from sluice.api.service import (
-    API_VERSION,
-    KIND,
     InferenceService,
     RoutingStrategy,
     load_manifest,

@@ -25,16 +25,13 @@ import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema
 
+from sluice.api.names import GROUP, KIND, PLURAL, VERSION
 from sluice.api.service import (
-    API_VERSION,
-    KIND,
     InferenceService,
     InferenceServiceSpec,
     InferenceServiceStatus,
 )
 
-GROUP, VERSION = API_VERSION.split("/")
-PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["sisvc"]
 CATEGORIES = ["sluice"]

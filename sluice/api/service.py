@@ -27,8 +27,6 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-API_VERSION = "serving.sluice.dev/v1alpha1"
-KIND = "InferenceService"
 SOURCE_SCHEMES = ("sluice", "file", "pvc")
 MAX_REPLICAS = 10_000  # bounds on counts, so a typo cannot ask for a million pods
 # The CRD's check of model.source (what ``ModelSpec._check_source`` accepts, in RE2 syntax, so

@@ -63,12 +63,13 @@ from typing import Any
 
 import kopf
 
+from sluice.api.names import GROUP, PLURAL
 from sluice.operator import resources
 from sluice.operator.autoscaler import Autoscaler
 from sluice.operator.controller import Controller
 from sluice.operator.drain import Drainer
 from sluice.operator.kube import ApiError, Kube
-from sluice.operator.resources import GROUP, PLURAL, InvalidSpec
+from sluice.operator.resources import InvalidSpec
 from sluice.operator.routers import Routers
 from sluice.operator.settings import OperatorOptions, configure
 

@@ -13,7 +13,8 @@ import logging
 import os
 from typing import Any, Protocol
 
-from sluice.operator.resources import FIELD_MANAGER, GROUP, PLURAL
+from sluice.api.names import GROUP, PLURAL
+from sluice.operator.resources import FIELD_MANAGER
 
 logger = logging.getLogger(__name__)
 

@@ -33,28 +33,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.api.service import API_VERSION, KIND, InferenceService, parse_manifest
+from sluice.api.names import (API_VERSION, GROUP, KIND, MANAGED_BY, MANAGED_BY_LABEL,
+                              NAME_LABEL, WORKER_APP, WORKER_PORT_NAME, WORKER_SUFFIX)
+from sluice.api.service import InferenceService, parse_manifest
 from sluice.api.worker_args import worker_arguments
 
-# Names, labels and the port below are also read by the router's Kubernetes discovery
-# (sluice/router/discovery.py imports them): changing one changes what the router finds.
-GROUP = API_VERSION.split("/")[0]
-PLURAL = "inferenceservices"
 FIELD_MANAGER = "sluice-operator"
 
-NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 PART_OF_LABEL = "app.kubernetes.io/part-of"
-WORKER_APP = "sluice-worker"
-MANAGED_BY = "sluice-operator"
-MANAGED_SELECTOR = f"{MANAGED_BY_LABEL}={MANAGED_BY},{NAME_LABEL}={WORKER_APP}"
 SPEC_HASH_ANNOTATION = f"{GROUP}/spec-hash"
 
-WORKER_SUFFIX = "-worker"
 WORKER_PORT = 8000
-WORKER_PORT_NAME = "http"
 WORKER_UID = 1000  # the images' non-root user
 CACHE_MOUNT = "/var/lib/sluice"  # SLUICE_HOME for emptyDir and PVC model caches
 PVC_SOURCE_ROOT = "/models"

@@ -17,10 +17,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.api.names import GROUP, MANAGED_SELECTOR
 from sluice.operator.resources import (
     DEFAULT_WORKER_IMAGE,
-    GROUP,
-    MANAGED_SELECTOR,
     MODEL_CACHE_DEFAULT,
     ModelCache,
     OperatorConfig,

@@ -11,7 +11,7 @@ the event loop never blocks on it), keep a small view of the router's namespace:
 
 Whenever either view changes, ``discovered`` joins them (InferenceService ``X`` ↔ Endpoints
 ``X-worker``, the worker Service the operator creates; names from
-``sluice.operator.resources``) and the result is handed to
+``sluice.api.names``) and the result is handed to
 ``EndpointSet.sync`` on the event loop's thread. Only ``subsets[].addresses`` count:
 an address that fails readiness or whose pod starts terminating moves out of them (to
 ``notReadyAddresses``, or away), and is unlisted at once; requests already on it finish.
@@ -37,10 +37,11 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from sluice.api.service import (API_VERSION, AutoscalingSpec, CascadeSpec, RoutingSpec, SLOSpec,
-                                served_model, served_name_owners)
+from sluice.api.names import (GROUP, MANAGED_SELECTOR, PLURAL, VERSION, WORKER_PORT_NAME,
+                              WORKER_SUFFIX)
+from sluice.api.service import (AutoscalingSpec, CascadeSpec, RoutingSpec, SLOSpec, served_model,
+                                served_name_owners)
 from sluice.cascade.tiers import resolve_cascades
-from sluice.operator.resources import MANAGED_SELECTOR, PLURAL, WORKER_PORT_NAME, WORKER_SUFFIX
 from sluice.router.cascade import Cascade, cascades_of
 from sluice.router.endpoints import EndpointSet, ModelSettings
 
@@ -48,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 Section = TypeVar("Section", bound=BaseModel)
 
-GROUP, VERSION = API_VERSION.split("/")
 NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 WATCH_TIMEOUT_S = 240      # server ends each watch after this; we resume from resourceVersion
@@ -381,7 +381,7 @@ class KubernetesDiscovery:
         self._last: tuple[Discovered, dict, dict] | None = None
         custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
         self.isvcs = Reflector(
-            "inferenceservices",
+            PLURAL,
             functools.partial(custom.list_namespaced_custom_object, GROUP, VERSION, namespace,
                               PLURAL),
             service_view, self._changed, self._lock, self._stop, watch_timeout)
