@@ -28,8 +28,9 @@ from pathlib import Path
 
 from sluice.bench.report import describe
 from sluice.models import store
-from sluice.worker.engine import EngineConfig, SamplingParams
+from sluice.worker.engine import EngineConfig
 from sluice.worker.engine.llm_engine import LLMEngine
+from sluice.worker.sampling_params import SamplingParams
 
 TARGET = 3.0
 TEXT = ("Rivers carve valleys over thousands of years, carrying sediment from the mountains "

@@ -50,8 +50,9 @@ from test_engine import MAX_TOKENS, PROMPTS  # noqa: E402  (the engine tests' pr
 
 from sluice.argtypes import positive_count, whole  # noqa: E402
 from sluice.cli import Parser  # noqa: E402
-from sluice.worker.engine import EngineConfig, SamplingParams  # noqa: E402
+from sluice.worker.engine import EngineConfig  # noqa: E402
 from sluice.worker.engine.llm_engine import LLMEngine  # noqa: E402
+from sluice.worker.sampling_params import SamplingParams  # noqa: E402
 
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "chat_template.jinja")

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from sluice.models import store
-from sluice.worker.engine import EngineConfig, SamplingParams
+from sluice.worker.engine import EngineConfig
+from sluice.worker.sampling_params import SamplingParams
 from sluice.worker.engine import quant
 from sluice.worker.engine.llm_engine import LLMEngine
 from sluice.worker.engine.models.llama import RMSNorm

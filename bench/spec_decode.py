@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from sluice.models import store
-from sluice.worker.engine import EngineConfig, SamplingParams
+from sluice.worker.engine import EngineConfig
 from sluice.worker.engine.llm_engine import LLMEngine
+from sluice.worker.sampling_params import SamplingParams
 
 # a completion prompt (no chat template): unit tests whose continuation repeats their shape
 NGRAM_PROMPT = ("def test_add_1():\n    assert add(1, 1) == 2\n\ndef test_add_2():\n"

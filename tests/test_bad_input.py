@@ -24,8 +24,8 @@ from pydantic import ValidationError
 
 from sluice.api import openai as oa
 from sluice.models import store
-from sluice.worker.engine.outputs import RequestOutput
-from sluice.worker.engine.sampling_params import InvalidSamplingParams
+from sluice.worker.outputs import RequestOutput
+from sluice.worker.sampling_params import InvalidSamplingParams
 from sluice.worker.server import Worker, WorkerServer, create_app
 
 MODEL = store.DEFAULT_MODEL

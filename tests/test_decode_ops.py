@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.worker.engine import EngineConfig, SamplingParams, kernels
+from sluice.worker.engine import EngineConfig, kernels
 from sluice.worker.engine.llm_engine import LLMEngine
 from sluice.worker.engine.models import llama
+from sluice.worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernels.available(torch.device("cpu")),
                                 reason="the native kernels did not build here (see the warning)")

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sluice.worker.engine import EngineConfig, SamplingParams, sampler
+from sluice.worker.engine import EngineConfig, sampler
 from sluice.worker.engine.llm_engine import LLMEngine
-from sluice.worker.engine.sampling_params import InvalidSamplingParams
+from sluice.worker.sampling_params import InvalidSamplingParams, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

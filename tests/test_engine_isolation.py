@@ -22,12 +22,16 @@ import random
 
 import pytest
 
-from sluice.worker.engine import EngineConfig, SamplingParams
+from sluice.worker.engine import EngineConfig
 from sluice.worker.engine import llm_engine as llm_engine_module
 from sluice.worker.engine.fair_queue import FairQueue
-from sluice.worker.engine.sampling_params import InvalidSamplingParams, check_fits
 from sluice.worker.engine.scheduler import Scheduler
 from sluice.worker.engine.sequence import Sequence, SequenceStatus
+from sluice.worker.sampling_params import (
+    InvalidSamplingParams,
+    SamplingParams,
+    check_fits,
+)
 
 # --------------------------------------------------------------------------- parameters
 

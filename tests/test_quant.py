@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from sluice.worker.engine import EngineConfig, SamplingParams, kernels, quant
+from sluice.worker.engine import EngineConfig, kernels, quant
 from sluice.worker.engine.llm_engine import LLMEngine
+from sluice.worker.sampling_params import SamplingParams
 
 TEXT = (
     "The library on the corner opens at nine in the morning and closes at six in the evening. "

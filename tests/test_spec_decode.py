@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.worker.engine import EngineConfig, SamplingParams
+from sluice.worker.engine import EngineConfig
 from sluice.worker.engine.llm_engine import LLMEngine
 from sluice.worker.engine.spec_decode import NgramProposer, verify
+from sluice.worker.sampling_params import SamplingParams
 
 
 def test_ngram_proposer_continues_the_most_recent_longest_match():

@@ -29,7 +29,7 @@ from conftest import ROOT, free_port, serve
 from sluice.api import metrics as names
 from sluice.models import store
 from sluice.worker.engine.config import EngineConfig
-from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.sampling_params import SamplingParams
 from sluice.worker.vllm_backend import (_StatsRecorder, cpu_block_size, engine_arguments,
                                         kv_cache_space_gib, prompt_logprobs,
                                         sampling_arguments, token_logprob)
@@ -239,7 +239,7 @@ def test_what_vllm_validation_refuses_is_an_invalid_sampling_field():
     if reason:
         pytest.skip(reason)
     code = """
-from sluice.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams
+from sluice.worker.sampling_params import InvalidSamplingParams, SamplingParams
 from sluice.worker.vllm_backend import vllm_sampling_params
 for field, value in (("temperature", 3.0), ("logprobs", -2), ("top_p", 0.0), ("stop", [""])):
     params = SamplingParams(max_tokens=4)

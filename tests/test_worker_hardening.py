@@ -33,7 +33,7 @@ from conftest import free_port, serve
 from sluice.api import metrics as names
 from sluice.api.body import BodyTooLarge, read_body
 from sluice.models import store
-from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.outputs import RequestOutput
 from sluice.worker.health import ENGINE_DEAD, ENGINE_STALLED, EngineWatch
 from sluice.worker.server import Worker, WorkerServer, create_app
 

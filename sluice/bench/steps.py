@@ -199,7 +199,7 @@ class StepProbe:
             RuntimeError: the scheduler preempted a sequence or ran another shape than
                 asked (the pool or the budget is too small for it).
         """
-        from sluice.worker.engine.sampling_params import SamplingParams
+        from sluice.worker.sampling_params import SamplingParams
 
         one = SamplingParams(max_tokens=1, ignore_eos=True)
         self._clear()

@@ -29,10 +29,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sluice.api import openai as oa
-from sluice.worker.engine.outputs import RequestOutput
-from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.health import EngineDead, EngineWatch
 from sluice.worker.metrics import RequestTimer, WorkerMetrics
+from sluice.worker.outputs import RequestOutput
+from sluice.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

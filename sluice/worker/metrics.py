@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from sluice.api import metrics as names
-from sluice.worker.engine.outputs import RequestOutput
+from sluice.worker.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

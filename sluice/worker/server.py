@@ -47,7 +47,7 @@ from sluice.argtypes import nonblank, number, port, positive_count, positive_sec
 from sluice.logs import quiet_probe_access_logs
 from sluice.models import store
 from sluice.worker.engine.config import QUANTIZATIONS, EngineConfig
-from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.sampling_params import SamplingParams
 from sluice.worker.generation import (Engine, chat_choices, chat_prompt, completion_choices,
                                       generate_response)
 from sluice.worker.health import STALL_TIMEOUT_S, EngineWatch

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.worker.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from sluice.worker.engine.outputs import RequestOutput, TokenLogprob
-from sluice.worker.engine.sampling_params import InvalidSamplingParams, SamplingParams, check_fits
+from sluice.worker.outputs import RequestOutput, TokenLogprob
+from sluice.worker.sampling_params import InvalidSamplingParams, SamplingParams, check_fits
 
 logger = logging.getLogger(__name__)
 

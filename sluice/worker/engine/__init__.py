@@ -1,7 +1,6 @@
-"""The native paged-attention engine (nano-vllm style): see llm_engine.LLMEngine."""
+"""The native paged-attention engine (nano-vllm style): see llm_engine.LLMEngine. What both
+engines share (``SamplingParams``, ``RequestOutput``) lives beside them in ``sluice.worker``."""
 
 from sluice.worker.engine.config import EngineConfig
-from sluice.worker.engine.outputs import RequestOutput, TokenLogprob
-from sluice.worker.engine.sampling_params import SamplingParams
 
-__all__ = ["EngineConfig", "RequestOutput", "SamplingParams", "TokenLogprob"]
+__all__ = ["EngineConfig"]

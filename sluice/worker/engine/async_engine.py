@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from sluice.worker.engine.config import EngineConfig
 from sluice.worker.engine.llm_engine import LLMEngine
-from sluice.worker.engine.outputs import RequestOutput
-from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.outputs import RequestOutput
+from sluice.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from sluice.worker.engine.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
 from sluice.worker.engine.detokenizer import IncrementalDetokenizer
 from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.models.llama import SUPPORTED_ARCHITECTURES
-from sluice.worker.engine.outputs import RequestOutput
 from sluice.worker.engine.sampler import logprobs_of, penalize, sample
-from sluice.worker.engine.sampling_params import SamplingParams, check_fits
 from sluice.worker.engine.scheduler import Scheduler
 from sluice.worker.engine.sequence import Sequence, SequenceStatus
 from sluice.worker.engine.spec_decode import DraftModelProposer, NgramProposer, verify
+from sluice.worker.outputs import RequestOutput
+from sluice.worker.sampling_params import SamplingParams, check_fits
 
 logger = logging.getLogger(__name__)
 

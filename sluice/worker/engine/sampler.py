@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from sluice.worker.engine import kernels
-from sluice.worker.engine.outputs import TokenLogprob
-from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.outputs import TokenLogprob
+from sluice.worker.sampling_params import SamplingParams
 
 
 def argmax(logits: torch.Tensor) -> list[int]:

@@ -9,8 +9,8 @@ import time
 import torch
 
 from sluice.worker.engine.detokenizer import IncrementalDetokenizer
-from sluice.worker.engine.outputs import RequestOutput, TokenLogprob
-from sluice.worker.engine.sampling_params import SamplingParams
+from sluice.worker.outputs import RequestOutput, TokenLogprob
+from sluice.worker.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -30,8 +30,8 @@ import torch
 from sluice.worker.engine.block_manager import BlockManager
 from sluice.worker.engine.model_runner import ModelRunner
 from sluice.worker.engine.sampler import argmax, draw, processed_probs
-from sluice.worker.engine.sampling_params import SamplingParams
 from sluice.worker.engine.sequence import Sequence
+from sluice.worker.sampling_params import SamplingParams
 
 
 class NgramProposer:
