@@ -2,7 +2,7 @@
 
 Preparation: tokenize off the event loop and validate, giving one ``Choice`` (one engine
 request) per prompt of a list and per ``n``. Generation: every choice runs as its own engine
-request; their deltas are merged and shaped (sluice.api.openai shapers) into SSE chunks or
+request; their deltas are merged and shaped (sluice.worker.shaping) into SSE chunks or
 one JSON response. A client that goes away aborts its engine requests: for streams the
 response generator is closed; for plain responses a watcher on the ASGI ``receive`` channel
 cancels the work.
@@ -29,6 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sluice.api import openai as oa
+from sluice.worker import shaping
 from sluice.worker.health import EngineDead, EngineWatch
 from sluice.worker.metrics import RequestTimer, WorkerMetrics
 from sluice.worker.outputs import RequestOutput
@@ -59,7 +60,7 @@ class Engine(Protocol):
 class Choice:
     """One engine request of a response and how to show it."""
 
-    view: oa.ChoiceView
+    view: shaping.ChoiceView
     params: SamplingParams
 
 
@@ -189,7 +190,7 @@ async def completion_choices(engine: Engine, req: oa.CompletionRequest) -> list[
         if req.echo and text is None:
             text = engine.tokenizer.decode(ids)
         for j in range(n):
-            view = oa.ChoiceView(index=p * n + j, prompt_ids=ids, prompt_text=text or "",
+            view = shaping.ChoiceView(index=p * n + j, prompt_ids=ids, prompt_text=text or "",
                                  count_prompt=j == 0, echo=bool(req.echo),
                                  show_output=max_tokens > 0)
             params = _sampling_params(req, max(max_tokens, 1), j, req.logprobs,
@@ -217,7 +218,7 @@ async def chat_choices(engine: Engine, req: oa.ChatCompletionRequest) -> list[Ch
     requested, param = req.requested_max_tokens()
     max_tokens = oa.max_tokens_for(requested, param, len(ids), engine.max_model_len)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return [Choice(oa.ChoiceView(index=j, prompt_ids=ids, count_prompt=j == 0),
+    return [Choice(shaping.ChoiceView(index=j, prompt_ids=ids, count_prompt=j == 0),
                    _sampling_params(req, max_tokens, j, logprobs, None))
             for j in range(req.n or 1)]
 
@@ -311,7 +312,7 @@ async def _outputs(metrics: WorkerMetrics, watch: EngineWatch, engine: Engine,
             timer.close()
 
 
-async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper
+async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: shaping.Shaper
                    ) -> tuple[dict, float | None]:
     """The whole response body, and ``time.monotonic()`` of the first output (None when
     there was none)."""
@@ -325,7 +326,7 @@ async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa
 
 
 async def _sse(first: tuple[int, RequestOutput] | None,
-               outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: oa.Shaper,
+               outputs: AsyncIterator[tuple[int, RequestOutput]], shaper: shaping.Shaper,
                include_usage: bool) -> AsyncIterator[bytes]:
     """The SSE body: chunks, the usage chunk if asked, then [DONE].
 
@@ -414,7 +415,7 @@ async def _unless_disconnected(request: Request, work: Any) -> Any:
 
 
 async def generate_response(request: Request, metrics: WorkerMetrics, engine: Engine,
-                            choices: list[Choice], shaper: oa.Shaper, arrival: float,
+                            choices: list[Choice], shaper: shaping.Shaper, arrival: float,
                             stream: bool, include_usage: bool,
                             watch: EngineWatch | None = None) -> Response:
     """Run validated choices and answer as SSE or as one JSON response.

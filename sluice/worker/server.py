@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from sluice.api import openai as oa
+from sluice.worker import shaping
 from sluice.api.body import MAX_BODY_BYTES, BodyTooLarge, read_body
 from sluice.argtypes import nonblank, number, port, positive_count, positive_seconds
 from sluice.logs import quiet_probe_access_logs
@@ -228,7 +229,7 @@ class Worker:
         self.max_body_bytes = max_body_bytes
         self.watch = EngineWatch(stall_timeout_s)
         self.engine: Engine | None = None
-        self.texts: oa.TokenTexts | None = None
+        self.texts: shaping.TokenTexts | None = None
         self.load_error: BaseException | None = None
         self.draining = False
         self.terminating = False
@@ -259,7 +260,7 @@ class Worker:
             asyncio.run(_warm_up(engine))
         except Exception:  # noqa: BLE001 - a failed warm-up only costs the first request time
             logger.warning("warm-up generation failed; serving anyway", exc_info=True)
-        self.texts = oa.TokenTexts(engine.tokenizer)
+        self.texts = shaping.TokenTexts(engine.tokenizer)
         self.engine = engine  # last: readiness flips here
         logger.info("model %s ready in %.1f s (max_model_len=%d)", self.served_model_name,
                     time.monotonic() - started, engine.max_model_len)
@@ -371,7 +372,7 @@ def create_app(worker: Worker) -> FastAPI:
         req = oa.parse(oa.CompletionRequest, await _json(request, worker.max_body_bytes))
         engine = worker.require_engine(req.model)
         choices = await completion_choices(engine, req)
-        shaper = oa.CompletionShaper(oa.new_id("cmpl"), worker.served_model_name,
+        shaper = shaping.CompletionShaper(oa.new_id("cmpl"), worker.served_model_name,
                                      [c.view for c in choices], worker.texts, req.logprobs)
         return await generate_response(request, worker.metrics, engine, choices, shaper,
                                        arrival, bool(req.stream), req.include_usage,
@@ -384,7 +385,7 @@ def create_app(worker: Worker) -> FastAPI:
         engine = worker.require_engine(req.model)
         choices = await chat_choices(engine, req)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        shaper = oa.ChatShaper(oa.new_id("chatcmpl"), worker.served_model_name,
+        shaper = shaping.ChatShaper(oa.new_id("chatcmpl"), worker.served_model_name,
                                [c.view for c in choices], worker.texts, num_top)
         return await generate_response(request, worker.metrics, engine, choices, shaper,
                                        arrival, bool(req.stream), req.include_usage,
