@@ -272,7 +272,8 @@ def test_a_two_tier_cascade_is_served_through_the_router(sluice: Sluice):
     escalates: the operator reports it Ready (CascadeServing), the router finds it in the
     namespace, answers from the second tier (x-sluice-tier, x-sluice-escalated), and
     `x-sluice-cascade: off` keeps the first. A cascade naming a missing tier gets
-    InvalidSpec naming the field (issue 11)."""
+    InvalidSpec naming the field (issue 11); it was a worker InferenceService first, and
+    its worker Deployment and Service are deleted when it becomes a cascade."""
     tiers = {"tier-a": "e2e-tier-a", "tier-b": "e2e-tier-b"}
     cascade = {"apiVersion": "serving.sluice.dev/v1alpha1", "kind": "InferenceService",
                "metadata": {"name": "e2e-cascade"},
@@ -285,8 +286,12 @@ def test_a_two_tier_cascade_is_served_through_the_router(sluice: Sluice):
     for name, model in tiers.items():
         sluice.kubectl.apply(manifest(name, model))
     sluice.kubectl.apply(cascade)
-    sluice.kubectl.apply(broken)
+    sluice.kubectl.apply(manifest("e2e-broken-cascade", "e2e-broken-cascade", replicas=0))
     try:
+        wait_for("e2e-broken-cascade: its worker Deployment", lambda: sluice.kubectl.get(
+            "deployment", "e2e-broken-cascade-worker"), SHORT_TIMEOUT_S,
+                 lambda: sluice.state(names))
+        sluice.kubectl.apply(broken)
         wait_for("e2e-cascade: Ready=True CascadeServing",
                  lambda: condition(sluice.isvc("e2e-cascade"), "Ready").get("reason")
                  == "CascadeServing" or None, READY_TIMEOUT_S, lambda: sluice.state(names))
@@ -295,6 +300,11 @@ def test_a_two_tier_cascade_is_served_through_the_router(sluice: Sluice):
                        if condition(sluice.isvc("e2e-broken-cascade"), "Ready").get("reason")
                        == "InvalidSpec" else None, SHORT_TIMEOUT_S, lambda: sluice.state(names))
         assert "spec.cascade.tiers[1]: no InferenceService 'tier-missing'" in bad["message"]
+        wait_for("e2e-broken-cascade: its worker Deployment and Service deleted",
+                 lambda: not any(sluice.kubectl.get(kind, "e2e-broken-cascade-worker")
+                                 for kind in ("deployment", "service")) or None,
+                 SHORT_TIMEOUT_S, lambda: sluice.state(names))
+        assert "endpoint" not in sluice.isvc("e2e-broken-cascade")["status"]
 
         def ask(**headers: str) -> httpx.Response | None:
             r = httpx.post(f"{sluice.router_url}/v1/completions", timeout=120, trust_env=False,

@@ -177,7 +177,7 @@ def test_api_server_defaults_match_pydantic_defaults():
     assert spec["engine"] == {"name": "native", "native": {}, "tensorParallelSize": 1}
     assert spec["replicas"] == 1 and spec["minReplicas"] == 1 and "maxReplicas" not in spec
     assert spec["slo"] == {"percentile": 95.0}
-    assert spec["routing"] == {"strategy": "slo", "loadFactor": 1.25}
+    assert spec["routing"] == {}  # unset: the router's --policy and --load-factor
     assert spec["autoscaling"]["scaleDownStabilizationSeconds"] == 300.0
     assert "cascade" not in spec
     assert errors_of(defaulted) == []

@@ -358,6 +358,24 @@ def test_a_spec_out_of_bounds_is_brought_into_them():
     world.tick()
     world.tick()
     assert world.replicas == 3
+    assert world.kube.events[-1]["message"].startswith("spec.replicas 7 → 3: bounds")
+
+
+def test_raising_min_replicas_scales_up_for_the_bounds():
+    """minReplicas edited from 1 to 2 above the current count: the scale-up's reason is
+    ``bounds`` (the README's), not ``override`` (someone else wrote spec.replicas)."""
+    world = World(autoscaled_isvc(replicas=1))
+    world.tick()
+    world.net.add("10.9.0.1", arrivals=1)
+    world.tick()
+    assert world.replicas == 1
+    world.body["spec"]["minReplicas"] = 2
+    world.net.add("10.9.0.1", arrivals=1)
+    world.tick()
+    assert world.replicas == 2
+    assert world.kube.events[-1]["message"].startswith("spec.replicas 1 → 2: "), \
+        world.kube.events[-1]["message"]
+    assert not world.kube.events[-1]["message"].startswith("spec.replicas 1 → 2: override")
 
 
 def test_scale_to_zero_when_idle_and_a_held_request_wakes_it():

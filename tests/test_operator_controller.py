@@ -20,7 +20,7 @@ from sluice.operator.kube import ApiError
 from sluice.operator.resources import InvalidSpec, ModelCache, OperatorConfig
 from sluice.operator.settings import OperatorOptions, configure
 from sluice.operator.status import tiers_not_ready
-from test_operator_resources import ENDPOINTS, deployment_status, isvc
+from test_operator_resources import ENDPOINTS, MODEL, deployment_status, isvc
 
 NOW = "2026-11-29T10:00:00Z"
 
@@ -38,6 +38,8 @@ class FakeKube:
         self.endpoints: dict[tuple[str, str], dict] = {}
         self.pods: list[dict] = []
         self.applied: list[dict] = []
+        self.children: set[tuple[str, str, str]] = set()  # (namespace, kind, name) applied
+        self.deleted: list[tuple[str, str, str, str]] = []  # (namespace, apiVersion, kind, name)
         self.status_writes = 0
         self.scaled: list[tuple[str, int]] = []
         self.isvc_scaled: list[tuple[str, int]] = []
@@ -50,9 +52,16 @@ class FakeKube:
             raise self.refuse
         self.applied.append(obj)
         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
+        self.children.add((key[0], obj["kind"], key[1]))
         if obj["kind"] == "Deployment":
             self.deployments[key] = {**copy.deepcopy(obj), **deployment_status(
                 replicas=obj["spec"]["replicas"], ready=0)}
+
+    async def delete_child(self, namespace, api_version, kind, name):
+        self.deleted.append((namespace, api_version, kind, name))
+        self.children.discard((namespace, kind, name))
+        if kind == "Deployment":
+            self.deployments.pop((namespace, name), None)
 
     async def scale_isvc(self, namespace, name, replicas):
         body = self.isvcs.get((namespace, name))
@@ -95,6 +104,9 @@ class FakeKube:
 
     async def list_pods(self, namespace, selector):
         wanted = dict(part.split("=", 1) for part in selector.split(","))
+        if any(len(value) > 63 for value in wanted.values()):  # as the API server answers
+            raise ApiError(400, "unable to parse requirement: invalid label value: must be "
+                           "no more than 63 characters")
         if wanted.get("app.kubernetes.io/name") == "sluice-worker":
             assert wanted.get("app.kubernetes.io/instance") == "smol", selector
         return [copy.deepcopy(p) for p in self.pods
@@ -189,6 +201,24 @@ def test_invalid_spec_writes_the_condition_applies_nothing_and_raises():
     assert kube.applied == []
     assert kube.condition("Ready") == ("False", "InvalidSpec")
     assert kube.condition("Degraded") == ("True", "InvalidSpec")
+
+
+@pytest.mark.parametrize("length", [57, 63, 70])
+def test_a_name_too_long_for_its_children_is_invalid_spec_and_lists_nothing(length):
+    """A name whose ``NAME-worker`` is past 63 characters (past 63 itself, it is not even a
+    label value, so listing its pods by label is a 400 from the API server): InvalidSpec
+    naming metadata.name, written once; nothing is applied, nothing listed by label."""
+    body = isvc(name="c" * length)
+    kube = FakeKube(body)
+    ctl = controller(kube)
+    with pytest.raises(InvalidSpec, match="metadata.name"):
+        run(ctl.reconcile(body))
+    assert kube.applied == []
+    assert kube.condition("Ready", name="c" * length) == ("False", "InvalidSpec")
+    assert "metadata.name" in message(kube, "Degraded", "c" * length)
+    writes = kube.status_writes
+    run(ctl.resync(["team-a"]))
+    assert kube.status_writes == writes
 
 
 def test_a_spec_the_api_server_refuses_stays_invalid_until_the_spec_changes():
@@ -300,7 +330,106 @@ def test_a_second_service_of_one_served_name_gets_the_conflict_condition():
     assert kube.condition("Ready") == ("False", "NoReplicasReady")
 
 
-def test_resync_reconciles_every_service_and_forget_drops_state():
+def test_the_next_service_of_a_served_name_loses_conflict_when_the_older_is_deleted():
+    """The older of two services declaring one served name is deleted: the other is
+    refreshed at once (its Conflict condition goes), not at the next resync."""
+    elder, smol = isvc(name="elder"), isvc()
+    elder["metadata"]["creationTimestamp"] = "2026-11-30T10:00:00Z"
+    smol["metadata"]["creationTimestamp"] = "2026-12-01T09:00:00Z"
+    kube = FakeKube(elder, smol, isvc(name="other", model={"name": "m2", "source": "sluice://x"}))
+    kube.list_pods = _any_pods
+    ctl = controller(kube)
+    run(ctl.resync(["team-a"]))
+    assert kube.condition("Conflict") == ("True", "ServedNameInUse")
+    other_status = kube.status("other")
+    run(ctl.deleted(kube.isvcs.pop(("team-a", "elder"))))
+    assert kube.condition("Conflict") == ("", "")
+    assert kube.condition("Ready") == ("False", "NoReplicasReady")
+    assert kube.status("other") == other_status
+
+
+def test_status_fields_left_unset_are_removed_and_then_nothing_is_written():
+    """Autoscaling turned off: ``sloAttainment`` (the autoscaler's) is removed from the
+    status (a JSON merge patch with null), and the next refresh writes nothing."""
+    body = isvc(autoscaling={"enabled": True}, minReplicas=1, maxReplicas=3)
+    kube = FakeKube(body)
+    kube.list_pods = _any_pods
+    ctl = controller(kube)
+    run(ctl.reconcile(body))
+    run(ctl.record("team-a", "smol", {"sloAttainment": 0.97, "desiredReplicas": 1}))
+    assert kube.status()["sloAttainment"] == 0.97
+    kube.isvcs[("team-a", "smol")]["spec"]["autoscaling"] = {"enabled": False}
+    run(ctl.refresh("team-a", "smol"))
+    assert "sloAttainment" not in kube.status()
+    writes = kube.status_writes
+    run(ctl.refresh("team-a", "smol"))
+    assert kube.status_writes == writes
+
+
+def test_a_worker_service_turned_cascade_has_its_workers_deleted():
+    """``smol`` served a model with workers, then becomes a cascade over two others: its
+    Service, PodDisruptionBudget and Deployment are deleted (the Deployment last), its
+    status loses ``endpoint`` and ``selector``; later reconciles delete nothing more."""
+    body = isvc()
+    kube = FakeKube(body, isvc(name="a", model={"name": "ma", "source": f"sluice://{MODEL}"}),
+                    isvc(name="b", model={"name": "mb", "source": f"sluice://{MODEL}"}))
+    kube.list_pods = _any_pods
+    ctl = controller(kube)
+    run(ctl.resync(["team-a"]))
+    assert {c for c in kube.children if c[2] == "smol-worker"} == {
+        ("team-a", kind, "smol-worker") for kind in ("Service", "PodDisruptionBudget",
+                                                      "Deployment")}
+    assert kube.status()["endpoint"] == "http://smol-worker.team-a.svc:8000"
+    turned = cascade(name="smol", tiers=("a", "b"))
+    kube.isvcs[("team-a", "smol")]["spec"] = turned["spec"]
+    run(ctl.reconcile(kube.isvcs[("team-a", "smol")]))
+    assert kube.deleted == [("team-a", "v1", "Service", "smol-worker"),
+                            ("team-a", "policy/v1", "PodDisruptionBudget", "smol-worker"),
+                            ("team-a", "apps/v1", "Deployment", "smol-worker")]
+    assert not {c for c in kube.children if c[2] == "smol-worker"}
+    assert "endpoint" not in kube.status() and "selector" not in kube.status()
+    run(ctl.resync(["team-a"]))
+    assert len(kube.deleted) == 3
+
+
+def test_a_connection_the_api_server_cut_is_an_api_error():
+    """aiohttp's ServerDisconnectedError and ClientPayloadError are not OSErrors: the
+    client turns them into ApiError(0), which every caller handles (the resync went on)."""
+    import aiohttp
+
+    from sluice.operator.kube import Kube
+
+    kube = Kube(api_client=object())
+    for exc in (aiohttp.ServerDisconnectedError(), aiohttp.ClientPayloadError("cut")):
+        async def method(*_, exc=exc, **__):
+            raise exc
+        with pytest.raises(ApiError) as caught:
+            run(kube._call(method))
+        assert caught.value.status == 0 and type(exc).__name__ in caught.value.message
+
+
+def test_the_resync_loop_outlives_a_round_that_raises(caplog):
+    """A round failing with anything, not only ApiError, is logged and the next runs."""
+    from sluice.operator import handlers
+
+    rounds = []
+
+    class Failing:
+        async def resync(self, namespaces):
+            rounds.append(namespaces)
+            if len(rounds) == 1:
+                raise RuntimeError("boom")
+            if len(rounds) == 3:
+                raise asyncio.CancelledError
+
+    options = OperatorOptions(resync_seconds=0.0)
+    with pytest.raises(asyncio.CancelledError):
+        run(handlers._resync_forever(Failing(), options))
+    assert len(rounds) == 3
+    assert "resync failed" in caplog.text and "boom" in caplog.text
+
+
+def test_resync_reconciles_every_service_and_deleted_drops_state():
     kube = FakeKube(isvc(), isvc(name="other", namespace="team-b"))
     kube.list_pods = _any_pods
     ctl = controller(kube)
@@ -309,7 +438,7 @@ def test_resync_reconciles_every_service_and_forget_drops_state():
     assert kube.condition("Ready") == ("False", "NoReplicasReady")
     assert kube.isvcs[("team-b", "other")]["status"]["endpoint"] == \
         "http://other-worker.team-b.svc:8000"
-    ctl.forget("team-a", "smol")
+    run(ctl.deleted(kube.isvcs.pop(("team-a", "smol"))))
     assert ("team-a", "smol") not in ctl._locks
 
 

@@ -75,6 +75,19 @@ def test_service_view_reads_each_section_through_the_spec_model():
     assert service_view(partial) == ServiceView("D", itl_ms=20.0, load_factor=3.0, hold_s=60.0)
 
 
+def test_an_inferenceservice_as_the_api_server_defaults_it_leaves_routing_to_the_flags():
+    """The API server fills in the CRD's defaults: none for spec.routing's fields, so a
+    service that names no strategy gets the router's --policy (the chart's router.policy),
+    not a default the CRD chose for it."""
+    from sluice.api import crd
+
+    minimal = {"apiVersion": "serving.sluice.dev/v1alpha1", "kind": "InferenceService",
+               "metadata": {"name": "e"}, "spec": {"model": {"name": "E", "source": "sluice://x"}}}
+    stored = crd.apply_defaults(crd.resource_schema(), minimal)
+    assert stored["spec"]["routing"] == {}
+    assert service_view(stored) == ServiceView("E")
+
+
 def test_each_model_gets_the_policy_its_inferenceservice_names():
     endpoints, d = fleet(policy="least-load")
     assert isinstance(d.policy_for(MODEL), LeastLoadPolicy)  # no discovery: --policy

@@ -51,7 +51,7 @@ def test_minimal_manifest_gets_defaults():
     assert spec.replicas == 1 and spec.min_replicas == 1 and spec.max_replicas is None
     assert spec.engine.name == "native" and spec.engine.tensor_parallel_size == 1
     assert spec.engine.native.kv_cache_gib is None  # unset: the engine's own default
-    assert spec.routing.strategy == "slo" and spec.routing.load_factor == 1.25
+    assert spec.routing.strategy is None and spec.routing.load_factor is None  # the router's
     assert spec.autoscaling.enabled is False
     assert spec.slo.percentile == 95
     assert spec.cascade is None
@@ -91,6 +91,9 @@ def test_unknown_top_level_spec_field():
     ({"engine": {"name": "tgi"}}, "spec.engine.name"),
     ({"engine": {"native": {"kvCacheGiB": 0}}}, "spec.engine.native.kvCacheGiB"),
     ({"engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
+    ({"engine": {"tensorParallelSize": 2}}, "spec.engine.tensorParallelSize"),
+    ({"model": {"name": "m", "source": "sluice://SmolLM2-135M-Instruct", "tokenizer": ""}},
+     "spec.model.tokenizer"),
     ({"slo": {"percentile": 120}}, "spec.slo.percentile"),
     ({"routing": {"strategy": "random"}}, "spec.routing.strategy"),
     ({"cascade": {"tiers": ["only-one"], "escalation": {"threshold": -1}}}, "spec.cascade.tiers"),

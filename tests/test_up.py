@@ -53,9 +53,15 @@ def test_unset_engine_options_are_left_to_the_worker():
     assert argv == ["--model", "/m", "--served-model-name", MODEL]
 
 
-def test_options_the_worker_lacks_are_clear_errors():
-    service = parse_manifest(manifest(engine={"tensorParallelSize": 2}))
-    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+def test_options_the_worker_lacks_are_clear_errors(monkeypatch):
+    """A worker (say an older image's) without a flag the manifest needs: an error naming
+    the flag, not an option dropped."""
+    from sluice.api import worker_args
+
+    flags = worker_args.worker_flags()
+    monkeypatch.setattr(worker_args, "worker_flags", lambda: flags - {"--engine"})
+    service = parse_manifest(manifest(engine={"name": "vllm"}))
+    with pytest.raises(ValueError, match="--engine .from the manifest. is not supported"):
         worker_arguments(service, "/m")
 
 
@@ -74,8 +80,7 @@ def test_children_wiring():
 
 
 def test_router_gets_the_manifests_routing_and_objectives():
-    assert router_arguments(parse_manifest(manifest())) == ["--policy", "slo", "--load-factor",
-                                                            "1.25"]
+    assert router_arguments(parse_manifest(manifest())) == []  # the router's own defaults
     service = parse_manifest(manifest(routing={"strategy": "prefix", "loadFactor": 1.5},
                                       slo={"ttftMs": 500, "itlMs": 80}))
     argv = router_arguments(service)
@@ -160,7 +165,7 @@ def test_a_cascade_manifest_runs_each_tiers_workers_behind_one_router(tmp_path):
         assert worker.env == {"OMP_NUM_THREADS": "1"}  # resources.cpu: "1"
     assert smol.url != qwen.url
     assert after(up.router.argv, "router") == [
-        "--host", "127.0.0.1", "--port", "9000", "--policy", "slo", "--load-factor", "1.25",
+        "--host", "127.0.0.1", "--port", "9000",
         "--worker", smol.url, "--worker", qwen.url, "--manifest", str(CASCADE.resolve())]
     assert up.router.ready_workers == 2 and up.policy is None
     banner = ready_banner(services, up, "0.0.0.0", 9000)

@@ -72,8 +72,8 @@ class ModelSpec(_Spec):
                                "(a converted model folder) or `pvc://CLAIM/path` (a folder on a "
                                "PersistentVolumeClaim). Required, except on a cascade (none).",
                                json_schema_extra={"pattern": SOURCE_PATTERN})
-    tokenizer: str | None = Field(None, description="Tokenizer folder or store name, when it "
-                                  "is not stored with the weights.")
+    tokenizer: str | None = Field(None, min_length=1, description="Tokenizer folder or store "
+                                  "name, when it is not stored with the weights.")
 
     @model_validator(mode="after")
     def _check_source(self) -> ModelSpec:
@@ -149,7 +149,9 @@ class EngineSpec(_Spec):
     name: EngineName = Field("native", description="`native` (Sluice's engine) or `vllm`.")
     native: NativeEngineOptions = Field(default_factory=NativeEngineOptions,
                                         description="Options of the native engine.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one replica is sharded over.")
+    tensor_parallel_size: int = Field(1, ge=1, le=1, description="Devices one replica is sharded "
+                                      "over: 1 (neither engine shards a replica yet, so the "
+                                      "API server refuses more at apply time).")
 
 
 class ResourcesSpec(_Spec):
@@ -209,15 +211,19 @@ class AutoscalingSpec(_Spec):
 
 
 class RoutingSpec(_Spec):
-    """How the router spreads requests over replicas."""
+    """How the router spreads requests over replicas. A field left unset is the router's
+    own flag (``--policy``, the chart's ``router.policy``; ``--load-factor``), whose
+    defaults are ``slo`` and 1.25: the CRD defaults neither, so the router can tell."""
 
-    strategy: RoutingStrategy = Field(
-        "slo", description="`slo`: the replica predicted to meet the TTFT objective "
+    strategy: RoutingStrategy | None = Field(
+        None, description="`slo`: the replica predicted to meet the TTFT objective "
         "(`slo.ttftMs`), packing requests that share a prompt prefix where it is cached; "
         "`least-load`: fewest in-flight requests; `prefix`: consistent hashing with bounded "
-        "load on the prompt's first characters; `round-robin`: each replica in turn.")
-    load_factor: float = Field(1.25, ge=1.0, le=100, description="`prefix`: no replica takes more "
-                               "than this times the average in-flight load.")
+        "load on the prompt's first characters; `round-robin`: each replica in turn. Unset: "
+        "the router's `--policy` (default `slo`).")
+    load_factor: float | None = Field(None, ge=1.0, le=100, description="`prefix`: no replica "
+                                      "takes more than this times the average in-flight load. "
+                                      "Unset: the router's `--load-factor` (default 1.25).")
 
 
 class CascadeEscalationSpec(_Spec):

@@ -38,12 +38,10 @@ def worker_arguments(service: InferenceService, model: str) -> list[str]:
             wanted.append((flag if value else "--no-" + flag[2:], None))
         else:
             wanted.append((flag, value))
-    if spec.model.tokenizer:
+    if spec.model.tokenizer is not None:
         wanted.append(("--tokenizer", spec.model.tokenizer))
     if spec.engine.name != "native":
         wanted.append(("--engine", spec.engine.name))
-    if spec.engine.tensor_parallel_size != 1:
-        wanted.append(("--tensor-parallel-size", spec.engine.tensor_parallel_size))
     if spec.resources.gpu:
         wanted.append(("--device", "cuda"))
     argv: list[str] = []

@@ -364,7 +364,11 @@ def router_arguments(service: InferenceService) -> list[str]:
     """The router flags that carry the manifest's ``spec.routing`` and ``spec.slo`` (what the
     Kubernetes router reads from the InferenceService itself)."""
     routing, slo = service.spec.routing, service.spec.slo
-    argv = ["--policy", routing.strategy, "--load-factor", str(routing.load_factor)]
+    argv = []
+    if routing.strategy is not None:
+        argv += ["--policy", routing.strategy]
+    if routing.load_factor is not None:
+        argv += ["--load-factor", str(routing.load_factor)]
     if slo.ttft_ms is not None:
         argv += ["--slo-ttft-ms", str(slo.ttft_ms)]
     if slo.itl_ms is not None:

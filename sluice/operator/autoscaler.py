@@ -21,7 +21,7 @@ no ``spec.cascade``: a cascade has no workers, its tiers are scaled each on its 
 Exactly one writer: the operator runs alone (kopf standalone, one replica), and with
 autoscaling off nothing here touches spec.replicas (kubectl scale, an HPA or KEDA own it);
 with it on, a spec.replicas written by someone else is overwritten at the next tick
-(reason ``override``). State lives in memory: after a restart the first tick only takes a
+(reason ``override``; ``bounds`` when it is outside edited min/maxReplicas). State lives in memory: after a restart the first tick only takes a
 baseline of the routers' counters and starts ``State.initial`` from the current
 spec.replicas, which the policy keeps for a whole scale-down window — nothing drops.
 No router answering means no decision (and one NoRouter warning Event), not a scale-down.
@@ -159,17 +159,23 @@ class Autoscaler:
         attainment = decision.attainment  # recent, decayed over the policy's ATTAINMENT_TAU_S
         self.metrics.record(service.spec.model.name, previous, decision, ready)
         if decision.replicas != replicas:
-            await self._scale(body, replicas, decision, obs, attainment)
+            await self._scale(body, replicas, decision, obs, attainment,
+                              config.min_replicas <= replicas <= config.max_replicas)
         else:
             await self._record_quietly(body, decision.replicas, attainment)
         return decision
 
     async def _scale(self, body: Mapping[str, Any], replicas: int, decision: Decision,
-                     obs: Observation, attainment: float | None) -> None:
+                     obs: Observation, attainment: float | None, within_bounds: bool) -> None:
+        """Write the decision's count; a count the policy kept while spec.replicas moved is
+        ``bounds`` when spec.replicas left [minReplicas, maxReplicas] (the bounds were
+        edited), ``override`` when someone else wrote it."""
         namespace, name = _key(body)
         if not await self.kube.scale_isvc(namespace, name, decision.replicas):
             return  # gone
-        reason = "override" if decision.reason in ("steady", "stabilizing") else decision.reason
+        reason = decision.reason
+        if reason in ("steady", "stabilizing"):
+            reason = "override" if within_bounds else "bounds"
         figures = describe(decision, obs, reason)
         now = self._wall()
         logger.info("%s/%s: spec.replicas %d → %d (%s)", namespace, name, replicas,

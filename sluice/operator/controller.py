@@ -7,7 +7,8 @@ The kopf handlers (handlers.py) only decide *when*; this decides *what*:
                      InvalidSpec (the handler turns it into kopf.PermanentError: no retries).
                      A cascade has no children: only its status (tiers that do not resolve
                      are an InvalidSpec condition, not an error: a tier created later makes
-                     it valid at the next resync).
+                     it valid at the next resync); a worker InferenceService turned into a
+                     cascade has its worker Deployment, Service and PDB deleted.
     scale(body)      replicas-only change: patch the Deployment's spec.replicas → refresh.
     refresh(ns, n)   read Deployment, Pods, Endpoints; probe one ready address's /health;
                      compute the status (status.compute_status); write it if it changed.
@@ -15,6 +16,8 @@ The kopf handlers (handlers.py) only decide *when*; this decides *what*:
                      (status.compute_cascade_status); when a tier's Ready changes, the
                      cascades naming it are refreshed too.
     record(ns, n, f) write the autoscaler's status fields (under the same lock as refresh).
+    deleted(body)    forget it; the others declaring its served name are refreshed at once
+                     (the next oldest loses its Conflict condition now, not at the resync).
 
 Neither reconcile nor scale ever lowers the Deployment's replicas itself: a lower count goes
 to the Drainer (drain.py), which removes the chosen replicas once they are drained; a higher
@@ -95,6 +98,8 @@ class Controller:
             objects = resources.desired_objects(body, self.config)
             if objects:  # none for a cascade
                 await self._keep_replicas_until_drained(body, objects[-1])
+            else:
+                await self._remove_workers(body)
             for obj in objects:
                 await self._apply(obj)
         except InvalidSpec as exc:
@@ -116,6 +121,21 @@ class Controller:
             raise
         logger.debug("applied %s %s/%s", obj["kind"], obj["metadata"]["namespace"],
                      obj["metadata"]["name"])
+
+    async def _remove_workers(self, body: Mapping[str, Any]) -> None:
+        """A cascade runs no workers: the ones it had as a worker InferenceService go (the
+        Deployment last, so while it exists the others may still be there to delete)."""
+        namespace, name = _key(body)
+        worker = resources.worker_name(name)
+        if await self.kube.get_deployment(namespace, worker) is None:
+            return
+        await self.drainer.cancel(namespace, name)
+        for api_version, kind in (("v1", "Service"),
+                                  (self.config.pdb_api_version, "PodDisruptionBudget"),
+                                  ("apps/v1", "Deployment")):
+            await self.kube.delete_child(namespace, api_version, kind, worker)
+        logger.info("%s/%s is a cascade now: deleted its worker Deployment, Service and PDB",
+                    namespace, name)
 
     async def _keep_replicas_until_drained(self, body: Mapping[str, Any],
                                            deployment: dict[str, Any]) -> None:
@@ -168,11 +188,19 @@ class Controller:
         except InvalidSpec:
             pass  # already written as the condition
 
-    def forget(self, namespace: str, name: str) -> None:
-        """The InferenceService is gone: drop what we kept about it."""
+    async def deleted(self, body: Mapping[str, Any]) -> None:
+        """The InferenceService is gone: drop what we kept about it, and refresh the others
+        of its namespace that declare its served name (one of them serves it now)."""
+        namespace, name = _key(body)
         for kept in (self._locks, self._refused, self._observed):
             kept.pop((namespace, name), None)
         self.drainer.forget(namespace, name)
+        model = served_model(body)
+        if model is None:
+            return
+        for other in await self.kube.list_isvcs(namespace):
+            if served_model(other) == model and other["metadata"]["name"] != name:
+                await self.refresh(namespace, other["metadata"]["name"])
 
     async def refresh(self, namespace: str, name: str) -> InferenceServiceStatus | None:
         """Recompute and write the status; returns it (None: the object is gone)."""
@@ -184,7 +212,8 @@ class Controller:
             status = await self._observe(body)
             changed = not same_status(body.get("status"), status)
             if changed:
-                await self.kube.patch_isvc_status(namespace, name, status_patch(status))
+                await self.kube.patch_isvc_status(namespace, name,
+                                                  status_patch(status, body.get("status")))
                 ready = status.condition("Ready")
                 logger.info("%s/%s: %d/%d ready; Ready=%s %s", namespace, name,
                             status.ready_replicas, int(body["spec"].get("replicas", 1)),
@@ -210,6 +239,11 @@ class Controller:
                                           observed=self._observed.get((namespace, name)),
                                           conflict=_conflict(body, neighbours))
         worker = resources.worker_name(name)
+        if not resources.usable_name(name):  # no children: nor a valid label value to list
+            neighbours = await self.kube.list_isvcs(namespace)
+            return compute_status(body, None, [], None, None, self._clock(), invalid,
+                                  observed=self._observed.get((namespace, name)),
+                                  conflict=_conflict(body, neighbours))
         deployment, pods, endpoints, neighbours = await asyncio.gather(
             self.kube.get_deployment(namespace, worker),
             self.kube.list_pods(namespace, resources.selector_string(name)),

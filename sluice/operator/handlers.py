@@ -32,12 +32,12 @@ RBAC the operator needs (namespaced Role per watched namespace, or a ClusterRole
                                                   # OwnerReferencesPermissionEnforcement
                                                   # admission plugin is on
     apiGroups: [apps]
-      resources: [deployments]                   verbs: [get, list, watch, create, patch]
+      resources: [deployments]                   verbs: [get, list, watch, create, patch, delete]
     apiGroups: [policy]
-      resources: [poddisruptionbudgets]          verbs: [create, patch]  # the workers'
+      resources: [poddisruptionbudgets]          verbs: [create, patch, delete]  # the workers'
                                                   # (server-side apply; v1, or v1beta1 on 1.20)
     apiGroups: [""]
-      resources: [services]                      verbs: [get, create, patch]
+      resources: [services]                      verbs: [get, create, patch, delete]
       resources: [endpoints]                     verbs: [get, list, watch]
       resources: [pods]                          verbs: [list, watch, patch]  # patch: the
                                                   # draining and pod-deletion-cost
@@ -49,8 +49,10 @@ RBAC the operator needs (namespaced Role per watched namespace, or a ClusterRole
       resources: [events]                        verbs: [create]    # newer kopf/clusters
 
 Not needed: namespaces and customresourcedefinitions (scanning is off: namespaces are the
-exact names given), kopf's peering resources (standalone), deletes (garbage collection;
-the ReplicaSet removes a drained pod), pods/eviction. The operator also talks HTTP to pods
+exact names given), kopf's peering resources (standalone), other deletes (garbage
+collection removes the children of a deleted InferenceService; the ReplicaSet a drained
+pod; the three deletes above are of a worker InferenceService edited into a cascade),
+pods/eviction. The operator also talks HTTP to pods
 (no RBAC): a worker's /health and /drain, a router's /autoscale/demand and /health.
 """
 
@@ -135,9 +137,13 @@ async def update(body: kopf.Body, diff: kopf.Diff, memo: kopf.Memo, logger: logg
 
 
 @kopf.on.event(*ISVC)
-async def forget(type: str, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def forget(type: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
+                 **_: Any) -> None:
     if type == "DELETED" and memo.get("controller") is not None:
-        memo.controller.forget(namespace, name)
+        try:  # event handlers are not retried: the resync loop catches up after a failure
+            await memo.controller.deleted(body)
+        except ApiError as exc:
+            logger.warning("services sharing its served name not refreshed: %s", exc)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
@@ -233,3 +239,5 @@ async def _resync_forever(controller: Controller, options: OperatorOptions) -> N
             await controller.resync(namespaces)
         except ApiError as exc:
             logging.getLogger(__name__).warning("resync failed: %s", exc)
+        except Exception:  # noqa: BLE001 - the loop must outlive one bad round
+            logging.getLogger(__name__).exception("resync failed")

@@ -13,12 +13,11 @@ import logging
 import os
 from typing import Any, Protocol
 
-from sluice.api.names import GROUP, PLURAL
+from sluice.api.names import GROUP, PLURAL, VERSION
 from sluice.operator.resources import FIELD_MANAGER
 
 logger = logging.getLogger(__name__)
 
-VERSION = "v1alpha1"
 AUTOSCALER_FIELD_MANAGER = "sluice-autoscaler"  # who wrote spec.replicas, in managedFields
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
@@ -38,6 +37,8 @@ class KubeApi(Protocol):
     tests pass a fake."""
 
     async def apply(self, obj: dict[str, Any]) -> None: ...
+    async def delete_child(self, namespace: str, api_version: str, kind: str,
+                           name: str) -> None: ...
     async def scale_deployment(self, namespace: str, name: str, replicas: int) -> bool: ...
     async def scale_isvc(self, namespace: str, name: str, replicas: int) -> bool: ...
     async def patch_pod_annotations(self, namespace: str, name: str,
@@ -89,6 +90,7 @@ class Kube:
 
     async def _call(self, method: Any, *args: Any, missing_ok: bool = False,
                     **kwargs: Any) -> Any:
+        import aiohttp
         from kubernetes.aio.client.exceptions import ApiException
 
         try:
@@ -97,7 +99,7 @@ class Kube:
             if missing_ok and exc.status == 404:
                 return None
             raise ApiError(exc.status or 0, _message(exc.body) or str(exc.reason)) from None
-        except (OSError, TimeoutError) as exc:  # aiohttp's errors are OSErrors
+        except (OSError, TimeoutError, aiohttp.ClientError) as exc:  # no answer, or a cut one
             raise ApiError(0, f"{type(exc).__name__}: {exc}") from None
         return result if isinstance(result, dict | list | None) else \
             self._client.sanitize_for_serialization(result)
@@ -115,6 +117,21 @@ class Kube:
                   "Service": self._core.patch_namespaced_service}[obj["kind"]]
         await self._call(method, meta["name"], meta["namespace"], obj,
                          field_manager=FIELD_MANAGER, force=True, _content_type=APPLY)
+
+    async def delete_child(self, namespace: str, api_version: str, kind: str,
+                           name: str) -> None:
+        """Delete a child (a Deployment, Service or PodDisruptionBudget of ``api_version``)
+        and, in the background, what it owns; gone already is fine."""
+        body = {"propagationPolicy": "Background"}
+        if kind == "PodDisruptionBudget":  # policy/v1 or v1beta1: a generic path, as apply
+            group, version = api_version.split("/")
+            await self._call(self._custom.delete_namespaced_custom_object, group, version,
+                             namespace, "poddisruptionbudgets", name, body=body,
+                             missing_ok=True)
+            return
+        method = {"Deployment": self._apps.delete_namespaced_deployment,
+                  "Service": self._core.delete_namespaced_service}[kind]
+        await self._call(method, name, namespace, body=body, missing_ok=True)
 
     async def pdb_api_version(self) -> str:
         """``policy/v1`` where the API server serves it (1.21+), else ``policy/v1beta1``

@@ -159,6 +159,13 @@ def worker_name(service_name: str) -> str:
     return service_name + WORKER_SUFFIX
 
 
+def usable_name(service_name: str) -> bool:
+    """Whether ``service_name`` can name its children: ``NAME-worker`` a DNS-1035 label (a
+    Service name) of at most 63 characters, so ``NAME`` is also a valid label value."""
+    name = worker_name(service_name)
+    return len(name) <= 63 and _DNS_1035.match(name) is not None
+
+
 def selector_labels(service_name: str) -> dict[str, str]:
     """The worker pods' selector (immutable once a Deployment exists)."""
     return {NAME_LABEL: WORKER_APP, INSTANCE_LABEL: service_name}
@@ -211,8 +218,8 @@ def parse_service(body: Mapping[str, Any]) -> InferenceService:
         details = str(exc).partition("invalid InferenceService:")[2]
         problems = [line.strip().replace("Value error, ", "") for line in details.splitlines()]
         raise InvalidSpec("; ".join(p for p in problems if p) or str(exc)) from None
-    name = worker_name(service.metadata.name)
-    if len(name) > 63 or not _DNS_1035.match(name):
+    if not usable_name(service.metadata.name):
+        name = worker_name(service.metadata.name)
         raise InvalidSpec(f"metadata.name {service.metadata.name!r}: the worker Service "
                           f"{name!r} must be a DNS-1035 label (start with a letter, at most "
                           f"{63 - len(WORKER_SUFFIX)} characters before {WORKER_SUFFIX!r})")

@@ -285,8 +285,9 @@ def _add_conflict(conditions: list[tuple[str, str, str, str]], spec: Mapping[str
     """Ready=False and Conflict=True: an older InferenceService serves this one's name."""
     model = (spec.get("model") or {}).get("name")
     message = (f"spec.model.name {model!r} is already served by InferenceService "
-               f"{conflict!r}, created earlier: this one gets no traffic until that one "
-               "is deleted or renames its model")
+               f"{conflict!r} (the older; of two created in the same second, the first by "
+               "name): this one gets no traffic until that one is deleted or renames its "
+               "model")
     conditions[0] = (READY, "False", "ServedNameConflict", message)
     conditions.append((CONFLICT, "True", "ServedNameInUse", message))
 
@@ -386,9 +387,20 @@ def _condition(previous: dict[str, Condition], type_: str, status: str, reason: 
                      last_transition_time=since or now, observed_generation=generation)
 
 
-def status_patch(status: InferenceServiceStatus) -> dict[str, Any]:
-    """The JSON the status subresource gets (camelCase, unset fields left out)."""
-    return status.model_dump(by_alias=True, exclude_none=True, mode="json")
+def status_patch(status: InferenceServiceStatus,
+                 current: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7396) the status subresource gets: camelCase, unset fields
+    left out, and set to null (removed) where ``current``, the status as it is, has them
+    (``endpoint`` of a worker InferenceService turned cascade, ``sloAttainment`` with
+    autoscaling turned off)."""
+    patch = status.model_dump(by_alias=True, exclude_none=True, mode="json")
+    for key in current or ():
+        if key not in patch and key in _STATUS_KEYS:
+            patch[key] = None
+    return patch
+
+
+_STATUS_KEYS = frozenset(f.alias or n for n, f in InferenceServiceStatus.model_fields.items())
 
 
 def same_status(current: Mapping[str, Any] | None, new: InferenceServiceStatus) -> bool:

@@ -123,16 +123,14 @@ def service_view(isvc: Mapping[str, Any]) -> ServiceView:
 
     Each section is read with its ``InferenceServiceSpec`` model (strictly: as the API
     server admits it); a section the model refuses counts as absent (the operator reports
-    the invalid spec), and a routing field the spec leaves unset is None, so the router's
-    own flag applies rather than the CRD's default."""
+    the invalid spec), and a routing field the spec leaves unset is None (the CRD defaults
+    neither), so the router's own flag applies."""
     spec = isvc.get("spec") or {}
     slo = _section(SLOSpec, spec.get("slo")) or SLOSpec()
     routing = _section(RoutingSpec, spec.get("routing")) or RoutingSpec()
     scaling = _section(AutoscalingSpec, spec.get("autoscaling")) or AutoscalingSpec()
-    declared = routing.model_fields_set
     return ServiceView(served_model(isvc), slo.ttft_ms, slo.itl_ms,
-                       routing.strategy if "strategy" in declared else None,
-                       routing.load_factor if "load_factor" in declared else None,
+                       routing.strategy, routing.load_factor,
                        scaling.hold_seconds if scaling.enabled else None,
                        str((isvc.get("metadata") or {}).get("creationTimestamp") or ""),
                        _section(CascadeSpec, spec.get("cascade"), strict=False))
