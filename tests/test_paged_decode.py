@@ -13,9 +13,9 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
+import filelock
 import pytest
 import torch
 
@@ -141,24 +141,50 @@ def test_the_build_folder_is_keyed_by_environment_and_source(tmp_path, monkeypat
     assert kernels._build_directory(tmp_path) != here
 
 
-def test_a_killed_builds_lock_is_waited_for_then_removed(tmp_path, caplog):
-    lock = tmp_path / "lock"
-    assert kernels.clear_stale_lock(lock) is False  # none
-    lock.touch()
-    old = time.time() - kernels.STALE_LOCK_S - 1
-    os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
-        assert kernels.clear_stale_lock(lock) is True
-    assert not lock.exists() and "must have been killed" in caplog.text
-    lock.touch()  # fresh: waited for until it is stale_s old
+HOLDER = ("import sys, time, filelock; from pathlib import Path; d = Path(sys.argv[1]); "
+          "held = filelock.FileLock(d / 'build.lock'); held.acquire(); (d / 'lock').touch(); "
+          "print('held', flush=True); time.sleep(float(sys.argv[2])); "
+          "(d / 'lock').unlink(); held.release()")
+
+
+def _holder(build, seconds: float) -> subprocess.Popen:
+    """A process that builds in ``build`` for ``seconds``: it holds build.lock and torch's
+    ``lock``, and removes the latter when done (as a build does)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(build), str(seconds)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_live_build_is_waited_for_however_long_and_a_killed_ones_lock_removed(tmp_path,
+                                                                                caplog):
+    """torch's ``lock`` of a build still running is left alone while it lasts (an age rule
+    removed a slow build's lock under load, and two builds raced in one folder); a
+    leftover ``lock`` whose build was killed is removed at once."""
+    build = tmp_path
+    proc = _holder(build, 1.5)
     start = time.monotonic()
-    assert kernels.clear_stale_lock(lock, stale_s=0.3, poll_s=0.05) is True
-    assert time.monotonic() - start >= 0.25 and not lock.exists()
-    lock.touch()  # released by the build that holds it: not touched
-    threading.Timer(0.1, lock.unlink).start()
+    with kernels.build_lock(build):
+        assert time.monotonic() - start >= 1.0  # waited for the live build
+        assert proc.wait(5) == 0
+    assert not (build / "lock").exists()
+    proc = _holder(build, 60)
+    proc.kill()  # killed mid-build: the OS releases build.lock; torch's lock stays
+    proc.wait()
+    assert (build / "lock").exists()
     start = time.monotonic()
-    assert kernels.clear_stale_lock(lock, stale_s=30, poll_s=0.05) is False
-    assert time.monotonic() - start < 5
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__), kernels.build_lock(build):
+        assert time.monotonic() - start < 5
+        assert not (build / "lock").exists()
+    assert "the build that took it was killed" in caplog.text
+    proc = _holder(build, 60)
+    try:
+        with pytest.raises(filelock.Timeout):
+            with kernels.build_lock(build, wait_s=0.2):
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.slow
@@ -170,7 +196,6 @@ def test_a_worker_builds_the_kernel_past_a_killed_builds_lock(tmp_path):
             "import torch; from sluice.worker.engine import kernels as a; "
             "d = a._build_directory(Path(os.environ['TORCH_EXTENSIONS_DIR'])); "
             "d.mkdir(parents=True); (d / 'lock').touch(); "
-            "t = time.time() - a.STALE_LOCK_S - 1; os.utime(d / 'lock', (t, t)); "
             "print(a.available(torch.device('cpu')), "
             "(d / 'lock').exists())")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}

@@ -399,6 +399,39 @@ def test_draining_worker_finishes_its_streams_under_constant_load(worker_url, mo
 
 
 @slow
+def test_a_worker_draining_after_sigterm_answers_its_plain_requests(model_path, tmp_path):
+    """The only worker is SIGTERMed while it holds plain (unanswered: no first byte until
+    the end) requests: it closes its listener and finishes them. The router's poll finds
+    nothing listening and ejects it, but leaves those requests on their connections: each
+    is answered 200 in full (it was a 503 when the ejection sent them elsewhere)."""
+    port = free_port()
+    drained = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "w.log", "wb") as log:
+        proc = start_worker(model_path, port, log)
+        try:
+            assert wait_until(lambda: health(drained) == 200, 180, period=0.5)
+            with serve_router([drained], free_port(), "--poll-interval", "0.2") as router, \
+                    ThreadPoolExecutor(3) as pool:
+                assert wait_until(lambda: len(ready_workers(router)) == 1, 10)
+                body = {"model": MODEL, "prompt": "Tell me about rivers.", "max_tokens": 48,
+                        "ignore_eos": True}
+                futures = [pool.submit(httpx.post, f"{router}/v1/completions", json=body,
+                                       timeout=180) for _ in range(3)]
+                assert wait_until(lambda: metric(drained, names.NUM_RUNNING) >= 1, 30)
+                os.killpg(proc.pid, signal.SIGTERM)
+                answers = [f.result() for f in futures]
+                assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+                assert [a.json()["usage"]["completion_tokens"] for a in answers] == [48] * 3
+                assert ready_workers(router) == []
+                assert metric(router, names.ROUTER_RETRIES) == 0
+            assert proc.wait(60) in (0, -signal.SIGTERM)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@slow
 def test_sigkill_retries_unanswered_requests_ejects_and_readmits(worker_url, model_path,
                                                                  tmp_path):
     """SIGKILL one of two workers while it holds unanswered (plain) requests: each is

@@ -97,6 +97,8 @@ def test_unknown_top_level_spec_field():
     ({"slo": {"percentile": 120}}, "spec.slo.percentile"),
     ({"routing": {"strategy": "random"}}, "spec.routing.strategy"),
     ({"cascade": {"tiers": ["only-one"], "escalation": {"threshold": -1}}}, "spec.cascade.tiers"),
+    ({"model": {"name": "c"}, "cascade": {"tiers": ["a", "b"], "escalation": {"threshold": -1}},
+      "autoscaling": {"enabled": True}, "maxReplicas": 2}, "spec.autoscaling.enabled"),
     ({"autoscaling": {"scaleToZero": True}}, "scaleToZero needs minReplicas: 0"),
     # a break-it pass: sluice up took these and failed later, or ran "autoscaling 1-1"
     ({"minReplicas": 0, "maxReplicas": 2, "autoscaling": {"enabled": True}},

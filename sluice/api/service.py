@@ -345,6 +345,9 @@ class InferenceServiceSpec(_Spec):
             raise ValueError("model.source is required (only a cascade has none)")
         if self.cascade is not None and self.model.source is not None:
             raise ValueError("a cascade serves from its tiers: model.source must be omitted")
+        if self.cascade is not None and self.autoscaling.enabled:
+            raise ValueError("spec.autoscaling.enabled: a cascade runs no workers of its own "
+                             "(autoscale its tiers)")
         return self
 
 

@@ -472,12 +472,19 @@ class EndpointSet:
         endpoint.ready = False
         endpoint.next_poll = 0.0
 
-    def eject(self, endpoint: Endpoint, kind: str, reason: str) -> None:
+    def eject(self, endpoint: Endpoint, kind: str, reason: str,
+              redispatch: bool = True) -> None:
         """``endpoint`` failed (``kind``: unreachable, unhealthy, timeout, broken, refused):
-        ``mark_down``, and send every request waiting there for its first byte elsewhere."""
+        ``mark_down``, and send every request waiting there for its first byte elsewhere
+        (``redispatch``; False: their own connections decide, as when nothing listens there
+        any more: a worker that exited broke them, one draining after SIGTERM answers them)."""
         if endpoint.ready or endpoint.unanswered:
             self.on_ejected(kind)
         self.mark_down(endpoint, reason)
+        if endpoint.unanswered and not redispatch:
+            logger.warning("worker %s ejected (%s): its %d unanswered requests stay on their "
+                           "connections", endpoint.url, reason, len(endpoint.unanswered))
+            return
         if endpoint.unanswered:
             logger.warning("worker %s ejected (%s): %d unanswered requests go elsewhere",
                            endpoint.url, reason, len(endpoint.unanswered))
@@ -603,7 +610,9 @@ class EndpointSet:
                 # something answers there, but not as a worker: why, once per change
                 logger.warning("worker %s not ready yet: %s", endpoint.url, why)
             endpoint.problem = why
-            self.eject(endpoint, "unreachable", f"unreachable: {why}")
+            refused = isinstance(exc, ConnectFailed) and \
+                isinstance(exc.__cause__, ConnectionRefusedError)
+            self.eject(endpoint, "unreachable", f"unreachable: {why}", redispatch=not refused)
             backoff = 0 if booting else min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
             endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             return

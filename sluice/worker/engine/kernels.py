@@ -21,6 +21,7 @@ PyTorch path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -28,8 +29,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import filelock
 import torch
 
 logger = logging.getLogger(__name__)
@@ -40,9 +43,9 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
 HEADERS = tuple(Path(__file__).with_name("csrc") / name  # in the build key too
                 for name in ("ops.h", "row_blocks.h", "vec_exp.h"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-# A build holds torch's lock file (``lock`` in its folder) for ~20 s here; one older than
-# this is a build that was killed, and would make every later worker wait for it forever.
-STALE_LOCK_S = 120.0
+# How long a worker waits for another process's build of the same folder (~20-60 s here,
+# minutes on a loaded machine) before it serves on the plain PyTorch paths.
+BUILD_WAIT_S = 1800.0
 
 
 def available(device: torch.device) -> bool:
@@ -75,17 +78,17 @@ def _load() -> bool:
         build = _build_directory(Path(os.environ.get("TORCH_EXTENSIONS_DIR")
                                       or cpp_extension.get_default_build_root()))
         build.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build / "lock")
-        first = not (build / "sluice_kernels.so").exists()
-        if first:  # (a first `sluice up` is otherwise silent for this long)
-            logger.info("building the native CPU kernels into %s (once per checkout and "
-                        "torch: ~30-60 s on 2 cores)", build)
-        started = time.monotonic()
-        cpp_extension.load(name="sluice_kernels", sources=[str(s) for s in SOURCES],
-                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(build), is_python_module=False)
-        if first:
-            logger.info("native CPU kernels built in %.1f s", time.monotonic() - started)
+        with build_lock(build):
+            first = not (build / "sluice_kernels.so").exists()
+            if first:  # (a first `sluice up` is otherwise silent for this long)
+                logger.info("building the native CPU kernels into %s (once per checkout and "
+                            "torch: ~30-60 s on 2 cores)", build)
+            started = time.monotonic()
+            cpp_extension.load(name="sluice_kernels", sources=[str(s) for s in SOURCES],
+                               extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                               build_directory=str(build), is_python_module=False)
+            if first:
+                logger.info("native CPU kernels built in %.1f s", time.monotonic() - started)
     except Exception as err:  # no compiler, headers or ninja: serve on the slower paths
         logger.warning("native CPU kernels unavailable, decode attention uses gather + SDPA "
                        "and int8 matmuls aten's kernel: %s", _build_failure(err))
@@ -102,22 +105,35 @@ def _build_directory(root: Path) -> Path:
     return root / f"sluice_kernels_{key.hexdigest()[:12]}"
 
 
-def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> bool:
-    """Wait while another process's build holds ``lock``, until the lock is ``stale_s``
-    seconds old; then remove it (logged) and return True. False when there was none or it
-    was released. (torch's own wait has no end: a worker killed mid-build, e.g. by its
-    supervisor, left every later worker of that cache hanging before its first log line.)"""
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return False
-        if age >= stale_s:
-            logger.warning("removing the native kernels' build lock %s, %.0f s old: the build "
-                           "that took it must have been killed", lock, age)
-            lock.unlink(missing_ok=True)
-            return True
-        time.sleep(min(poll_s, stale_s - age))
+@contextlib.contextmanager
+def build_lock(build: Path, wait_s: float = BUILD_WAIT_S) -> Iterator[None]:
+    """Hold the build folder's ``build.lock`` (filelock: an OS lock, released when its
+    holder ends, killed or not), waiting up to ``wait_s`` for another process's build.
+
+    Under it no other process builds in ``build``, so torch's own lock file (``lock``, which
+    torch waits on forever and never checks for a live holder) found there was left by a
+    killed build: it is removed (logged). Judging that by the file's age instead removed
+    the lock of a build that was slow, not dead, on a loaded machine.
+
+    Raises:
+        filelock.Timeout: another process held the lock for ``wait_s`` seconds.
+    """
+    held = filelock.FileLock(build / "build.lock")
+    try:
+        held.acquire(timeout=0)
+    except filelock.Timeout:
+        logger.info("waiting for another process's build of the native CPU kernels in %s",
+                    build)
+        held.acquire(timeout=wait_s)
+    try:
+        left = build / "lock"
+        if left.exists():
+            logger.warning("removing the native kernels' build lock %s: the build that took "
+                           "it was killed", left)
+            left.unlink(missing_ok=True)
+        yield
+    finally:
+        held.release()
 
 
 def _build_failure(err: Exception) -> str:
