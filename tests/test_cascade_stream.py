@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from fastapi.responses import Response
 from starlette.requests import Request
 
@@ -101,6 +102,44 @@ def test_prompt_text():
 
 async def _collect(agen):
     return [chunk async for chunk in agen]
+
+
+@pytest.mark.parametrize("code, escalates", [("context_length_exceeded", True),
+                                              ("invalid_value", False)])
+def test_a_prompt_past_a_tiers_context_goes_to_the_next_tier(code, escalates):
+    """The first tier's context is smaller than the prompt (SmolLM2's 5,824 tokens under
+    Qwen's 8,192 in examples/cascade.yaml): its 400 context_length_exceeded sends the
+    request up, counted as ``context-length``; any other 400 is the client's and returned."""
+    spec = CascadeSpec(tiers=["small", "big"], escalation={"threshold": -100.0})
+    cascade = Cascade("coder", CascadePolicy.from_spec(spec, ["small-model", "big-model"]))
+    metrics = RouterMetrics()
+    asked = []
+    refusal = json.dumps({"error": {"message": "too long", "type": "invalid_request_error",
+                                    "param": "messages", "code": code}}).encode()
+
+    async def send(body: dict, final: bool):
+        asked.append((body["model"], final))
+        if body["model"] == "small-model":
+            return Response(refusal, 400, {"content-type": "application/json"})
+        return Response(b'{"choices": []}', 200, {})
+
+    async def receive():
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    body = {"model": "coder", "messages": [{"role": "user", "content": "hi " * 6000}]}
+    response = run(serve(request, cascade, body, send, metrics))
+    reasons = {s.labels["reason"]: s.value for s in metrics.cascade_escalations.collect()[0].samples
+               if s.name.endswith("_total")}
+    if escalates:
+        assert asked == [("small-model", False), ("big-model", True)]
+        assert response.status_code == 200 and response.headers["x-sluice-tier"] == "big"
+        assert reasons == {"context-length": 1.0}
+    else:
+        assert asked == [("small-model", False)]
+        assert response.status_code == 400 and response.headers["x-sluice-tier"] == "small"
+        assert reasons == {}
 
 
 def test_a_first_tier_whose_stream_breaks_escalates_as_a_tier_error():

@@ -20,7 +20,9 @@ A judged tier's answer reaches the client only once judged:
 
 An escalated answer's stream is closed, so its worker aborts it and frees its KV cache; its
 tokens are counted as wasted. A tier that fails (429, 5xx) also sends the request up
-(``tier-error``); a 4xx is the client's and is returned. The client leaving aborts whichever
+(``tier-error``), and so does a prompt longer than a tier's context (its 400
+``context_length_exceeded``: a larger tier may take it; ``context-length``); another 4xx is
+the client's and is returned. The client leaving aborts whichever
 tier is running.
 
 Responses carry ``x-sluice-tier`` (the InferenceService that answered), ``x-sluice-escalated``
@@ -144,9 +146,11 @@ async def serve(request: Request, cascade: Cascade, body: dict[str, Any], send: 
             return _tagged(metrics, cascade, response, tier, start, score)
         judged = await _judge(request, cascade, body, tier, chat, send)
         if not isinstance(judged, Held):  # the tier's own error, or the client left
-            if judged.status_code in RETRYABLE:
+            reason = "tier-error" if judged.status_code in RETRYABLE else \
+                "context-length" if _context_too_long(judged) else None
+            if reason is not None:
                 metrics.cascade_escalations.labels(cascade.name, policy.tiers[tier],
-                                                   "tier-error").inc()
+                                                   reason).inc()
                 tier += 1
                 continue
             return _tagged(metrics, cascade, judged, tier, start, score)
@@ -162,6 +166,17 @@ async def serve(request: Request, cascade: Cascade, body: dict[str, Any], send: 
         metrics.cascade_wasted_cost.labels(cascade.name, policy.tiers[tier]).inc(
             judged.tokens * cascade.costs[tier])
         tier += 1
+
+
+def _context_too_long(response: Response) -> bool:
+    """A tier's 400 says the prompt (or prompt + max_tokens) is past its context."""
+    if response.status_code != 400 or isinstance(response, RelayResponse):
+        return False
+    try:
+        error = json.loads(response.body).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "context_length_exceeded"
 
 
 @dataclass

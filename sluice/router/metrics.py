@@ -165,7 +165,7 @@ class RouterMetrics:
             registry=reg)
         self.cascade_escalations = Counter(
             names.ROUTER_CASCADE_ESCALATIONS, "Answers sent up from a tier, by reason "
-            "(low-score, failed-examples, wrong-arithmetic, tier-error).", ["cascade", "tier", "reason"], registry=reg)
+            "(low-score, failed-examples, wrong-arithmetic, tier-error, context-length).", ["cascade", "tier", "reason"], registry=reg)
         self.cascade_score = Histogram(
             names.ROUTER_CASCADE_SCORE, "Scores of judged answers (the escalation signal, a "
             "log probability; an answer a check proved wrong has none).", ["cascade", "tier"], buckets=SCORE_BUCKETS, registry=reg)
