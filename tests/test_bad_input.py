@@ -614,6 +614,10 @@ def test_missing_model_is_a_clear_error(tmp_path):
     result = _sluice("worker", "--model", str(tmp_path / "nope"), "--port", "1", timeout=60)
     assert result.returncode == 1
     assert "is not a model folder" in result.stderr and "Traceback" not in result.stderr
+    result = _sluice("worker", "--model", "NoSuchModel", "--port", "1", timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "'NoSuchModel' is neither a model folder nor a model the store knows " \
+        "(SmolLM2-135M-Instruct," in result.stderr
 
 
 def test_model_that_fails_to_load_exits_1(tmp_path, model_path):

@@ -117,6 +117,10 @@ def resolve(model: str) -> Path:
         return path
     else:
         path = Path(model)
+    if not path.exists() and "/" not in model:  # a name, most likely: say which ones exist
+        known = ", ".join(s.name for s in REGISTRY.values())
+        raise ModelStoreError(f"{model!r} is neither a model folder nor a model the store "
+                              f"knows ({known})")
     for required in ("config.json", "tokenizer.json"):
         if not (path / required).is_file():
             raise ModelStoreError(f"{path / required} is missing: {path} is not a model folder")
