@@ -174,11 +174,13 @@ def test_rpm_and_tpm_refuse_with_retry_after_and_corrections_follow_the_usage():
     with pytest.raises(RateLimited) as info:  # at most a minute's worth is awaited: 100
         limits.charge(tenant, 10**9, 0.0)
     assert (info.value.limit, info.value.retry_after_s) == ("tpm", 12)  # 20 short
+    assert "limit 100, this request needs 1e+09 (it waits for a full budget)." in str(info.value)
     big = limits.charge(tenant, 10**9, 12.0)
     assert big.tokens == 100
     with pytest.raises(RateLimited) as info:
         limits.charge(tenant, 1, 12.0)
     assert (info.value.limit, info.value.retry_after_s) == ("rpm", 8)  # 0.6 left, 3/min
+    assert "limit 3, this request needs 1. Please try again in 8s." in str(info.value)
     big.settle(200, None, 30.0)  # usage unknown: the charge stands
     big.settle(200, 5, 30.0)  # settled once
     text = {(m.name, tuple(s.labels.values())): s.value

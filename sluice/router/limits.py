@@ -177,6 +177,7 @@ class TenantLimits:
             self.update({**{s.tenant.name: s.tenant for s in self._states.values()},
                          tenant.name: tenant}, now)
             state = self._states[tenant.name]
+        estimate = tokens  # a request past the whole budget waits for a full bucket
         tokens = min(tokens, state.tpm.capacity) if state.tpm else tokens
         for limit, bucket, amount, unit in (("rpm", state.rpm, 1.0, "requests"),
                                             ("tpm", state.tpm, tokens, "tokens")):
@@ -187,10 +188,12 @@ class TenantLimits:
                 state.limited[limit] = state.limited.get(limit, 0) + 1
                 state.statuses["429"] = state.statuses.get("429", 0) + 1
                 retry = max(1, math.ceil(wait))
+                needs = f"{amount:g}" if limit == "rpm" or amount == estimate else \
+                    f"{estimate:g} (it waits for a full budget)"
                 raise RateLimited(limit, retry, (
                     f"Rate limit reached for tenant {tenant.name} on {unit} per minute "
                     f"({limit.upper()}): limit {bucket.capacity:g}, this request needs "
-                    f"{amount:g}. Please try again in {retry}s."))
+                    f"{needs}. Please try again in {retry}s."))
         if state.rpm is not None:
             state.rpm.take(1.0, now)
         if state.tpm is not None:
