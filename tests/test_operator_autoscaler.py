@@ -375,7 +375,7 @@ def test_raising_min_replicas_scales_up_for_the_bounds():
     assert world.replicas == 2
     assert world.kube.events[-1]["message"].startswith("spec.replicas 1 → 2: "), \
         world.kube.events[-1]["message"]
-    assert not world.kube.events[-1]["message"].startswith("spec.replicas 1 → 2: override")
+    assert world.kube.events[-1]["message"].startswith("spec.replicas 1 → 2: bounds")
 
 
 def test_scale_to_zero_when_idle_and_a_held_request_wakes_it():

@@ -54,8 +54,10 @@ class FakeKube:
         key = (obj["metadata"]["namespace"], obj["metadata"]["name"])
         self.children.add((key[0], obj["kind"], key[1]))
         if obj["kind"] == "Deployment":
-            self.deployments[key] = {**copy.deepcopy(obj), **deployment_status(
-                replicas=obj["spec"]["replicas"], ready=0)}
+            stored, status = copy.deepcopy(obj), deployment_status(
+                replicas=obj["spec"]["replicas"], ready=0)
+            stored["metadata"].update(status["metadata"])  # the owner reference stays
+            self.deployments[key] = {**stored, "status": status["status"]}
 
     async def delete_child(self, namespace, api_version, kind, name):
         self.deleted.append((namespace, api_version, kind, name))
@@ -390,6 +392,11 @@ def test_a_worker_service_turned_cascade_has_its_workers_deleted():
     assert "endpoint" not in kube.status() and "selector" not in kube.status()
     run(ctl.resync(["team-a"]))
     assert len(kube.deleted) == 3
+    foreign = cascade(name="coder", tiers=("a", "b"))  # someone else's coder-worker
+    kube.isvcs[("team-a", "coder")] = foreign
+    kube.deployments[("team-a", "coder-worker")] = {"metadata": {"name": "coder-worker"}}
+    run(ctl.reconcile(foreign))
+    assert len(kube.deleted) == 3 and ("team-a", "coder-worker") in kube.deployments
 
 
 def test_a_connection_the_api_server_cut_is_an_api_error():

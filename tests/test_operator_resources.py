@@ -294,8 +294,6 @@ def test_spec_hash_changes_with_the_pods_not_with_replicas():
     (isvc(model={"name": "m", "source": "sluice://NoSuchModel"}),
      "unknown model 'NoSuchModel'; the store knows: SmolLM2-135M-Instruct"),
     (isvc(engine={"tensorParallelSize": 2}), "spec.engine.tensorParallelSize"),
-    (isvc(model={"name": "m", "source": "sluice://SmolLM2-135M-Instruct", "tokenizer": ""}),
-     "spec.model.tokenizer"),
     (isvc(name="a" * 57), "must be a DNS-1035 label"),
     (isvc(name="7b"), "'7b-worker' must be a DNS-1035 label"),
     (isvc(autoscaling={"scaleToZero": True}), "autoscaling.scaleToZero needs minReplicas: 0"),

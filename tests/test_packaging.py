@@ -42,7 +42,7 @@ def test_every_data_file_under_sluice_is_declared_as_package_data():
 ])
 def test_layering_each_component_imports_no_other_component(package, forbidden):
     """``sluice/api`` is the bottom floor, and the three components share only what lies
-    below them (style.md, "Layering"): importing every module of ``package`` loads none of
+    below them: importing every module of ``package`` loads none of
     the ``forbidden`` subpackages of ``sluice``. Each in a fresh interpreter."""
     code = ("import importlib, pkgutil, sys\n"
             f"package = importlib.import_module({package!r})\n"

@@ -456,3 +456,46 @@ def test_deadlines_fire_once_after_their_timeout_within_a_tick_and_never_once_re
     assert fired["early"] == 0 and "b" not in fired
     assert 0.2 <= fired["a"] < 0.2 + 0.02 + 0.05  # (a tick late at most, and loop slack)
     assert stopped and empty
+
+
+def test_a_worker_nothing_listens_on_is_ejected_once_and_its_requests_stay():
+    """Polls find nothing listening (refused: the worker exited, or drains after SIGTERM):
+    it is ejected once, counted once however many polls follow, and its unanswered
+    requests stay on their connections; any other failure sends them elsewhere."""
+    from sluice.router.endpoints import _refused
+    from sluice.router.upstream import ConnectFailed
+
+    def failed(cause: OSError) -> ConnectFailed:
+        try:
+            raise ConnectFailed("could not connect") from cause
+        except ConnectFailed as exc:
+            return exc
+
+    assert _refused(failed(ConnectionRefusedError(111, "Connect call failed")))
+    both = "Multiple exceptions: [Errno 111] Connect call failed ('::1', 8000, 0, 0), " \
+           "[Errno 111] Connect call failed ('127.0.0.1', 8000)"
+    assert _refused(failed(OSError(both)))  # a name with two addresses (localhost)
+    assert not _refused(failed(OSError(both.replace("111", "113", 1))))  # one unreachable
+    assert not _refused(failed(TimeoutError()))
+    assert not _refused(TimeoutError())
+
+    class Waiting:
+        def __init__(self):
+            self.ejected: list[str] = []
+
+        def eject(self, reason: str) -> None:
+            self.ejected.append(reason)
+
+    endpoints, _ = fleet(2)
+    counted: list[str] = []
+    endpoints.on_ejected = counted.append
+    drained, hung = list(endpoints)
+    waiting = [Waiting(), Waiting()]
+    drained.unanswered.add(waiting[0])
+    hung.unanswered.add(waiting[1])
+    for _ in range(3):
+        endpoints.eject(drained, "unreachable", "unreachable: refused", redispatch=False)
+    assert counted == ["unreachable"] and not drained.ready
+    assert waiting[0].ejected == [] and drained.unanswered == {waiting[0]}
+    endpoints.eject(hung, "unreachable", "unreachable: TimeoutError")
+    assert counted == ["unreachable"] * 2 and waiting[1].ejected == ["unreachable: TimeoutError"]

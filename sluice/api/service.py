@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -72,8 +73,13 @@ class ModelSpec(_Spec):
                                "(a converted model folder) or `pvc://CLAIM/path` (a folder on a "
                                "PersistentVolumeClaim). Required, except on a cascade (none).",
                                json_schema_extra={"pattern": SOURCE_PATTERN})
-    tokenizer: str | None = Field(None, min_length=1, description="Tokenizer folder or store "
-                                  "name, when it is not stored with the weights.")
+    tokenizer: str | None = Field(None, description="Tokenizer folder or store name, when it "
+                                  "is not stored with the weights (empty: the same as unset).")
+
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _empty_tokenizer_is_unset(cls, value: Any) -> Any:
+        return None if value == "" else value
 
     @model_validator(mode="after")
     def _check_source(self) -> ModelSpec:

@@ -38,7 +38,7 @@ def worker_arguments(service: InferenceService, model: str) -> list[str]:
             wanted.append((flag if value else "--no-" + flag[2:], None))
         else:
             wanted.append((flag, value))
-    if spec.model.tokenizer is not None:
+    if spec.model.tokenizer is not None:  # (an empty one is None: the model's own)
         wanted.append(("--tokenizer", spec.model.tokenizer))
     if spec.engine.name != "native":
         wanted.append(("--engine", spec.engine.name))

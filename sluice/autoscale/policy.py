@@ -298,8 +298,8 @@ def recommend(obs: Observation, state: State, config: Config, now: float) -> Dec
     else:  # at 0 with nothing arriving: stay
         floor = config.min_replicas
     bounded = min(max(raw, floor), config.max_replicas)
-    if bounded < raw:
-        reason = "bounds"  # capped at maxReplicas
+    if bounded < raw or bounded > max(raw, state.replicas):
+        reason = "bounds"  # capped at maxReplicas, or a scale-up to minReplicas
     history = _trim(state.history + ((now, bounded),), now, config)
     if reason == "idle" and bounded == 0:  # idle_s was the window
         replicas = 0

@@ -21,9 +21,10 @@ no ``spec.cascade``: a cascade has no workers, its tiers are scaled each on its 
 Exactly one writer: the operator runs alone (kopf standalone, one replica), and with
 autoscaling off nothing here touches spec.replicas (kubectl scale, an HPA or KEDA own it);
 with it on, a spec.replicas written by someone else is overwritten at the next tick
-(reason ``override``; ``bounds`` when it is outside edited min/maxReplicas). State lives in memory: after a restart the first tick only takes a
-baseline of the routers' counters and starts ``State.initial`` from the current
-spec.replicas, which the policy keeps for a whole scale-down window — nothing drops.
+(reason ``override``; ``bounds`` when it lies outside min/maxReplicas). State lives in
+memory: after a restart the first tick only takes a baseline of the routers' counters and
+starts ``State.initial`` from the current spec.replicas, which the policy keeps for a whole
+scale-down window — nothing drops.
 No router answering means no decision (and one NoRouter warning Event), not a scale-down.
 """
 
@@ -168,8 +169,8 @@ class Autoscaler:
     async def _scale(self, body: Mapping[str, Any], replicas: int, decision: Decision,
                      obs: Observation, attainment: float | None, within_bounds: bool) -> None:
         """Write the decision's count; a count the policy kept while spec.replicas moved is
-        ``bounds`` when spec.replicas left [minReplicas, maxReplicas] (the bounds were
-        edited), ``override`` when someone else wrote it."""
+        ``bounds`` when spec.replicas lies outside [minReplicas, maxReplicas] (the bounds
+        were edited, or it was set past them), ``override`` when someone else wrote it."""
         namespace, name = _key(body)
         if not await self.kube.scale_isvc(namespace, name, decision.replicas):
             return  # gone

@@ -124,10 +124,13 @@ class Controller:
 
     async def _remove_workers(self, body: Mapping[str, Any]) -> None:
         """A cascade runs no workers: the ones it had as a worker InferenceService go (the
-        Deployment last, so while it exists the others may still be there to delete)."""
+        Deployment last, so while it exists the others may still be there to delete). Only
+        a Deployment this InferenceService owns: a ``NAME-worker`` of someone else's stays."""
         namespace, name = _key(body)
         worker = resources.worker_name(name)
-        if await self.kube.get_deployment(namespace, worker) is None:
+        deployment = await self.kube.get_deployment(namespace, worker)
+        owners = ((deployment or {}).get("metadata") or {}).get("ownerReferences") or ()
+        if not any(o.get("uid") == body["metadata"].get("uid") for o in owners):
             return
         await self.drainer.cancel(namespace, name)
         for api_version, kind in (("v1", "Service"),

@@ -45,7 +45,8 @@ from typing import Any
 
 from sluice.api.service import CascadeSpec, Condition, InferenceServiceStatus, served_model
 from sluice.cascade.tiers import resolve_cascades
-from sluice.operator.resources import WORKER_PORT_NAME, endpoint_url, selector_string
+from sluice.api.names import WORKER_PORT_NAME
+from sluice.operator.resources import endpoint_url, selector_string
 
 READY, PROGRESSING, DEGRADED, AUTOSCALING = "Ready", "Progressing", "Degraded", "Autoscaling"
 CONFLICT = "Conflict"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import math
@@ -478,12 +479,15 @@ class EndpointSet:
         ``mark_down``, and send every request waiting there for its first byte elsewhere
         (``redispatch``; False: their own connections decide, as when nothing listens there
         any more: a worker that exited broke them, one draining after SIGTERM answers them)."""
-        if endpoint.ready or endpoint.unanswered:
-            self.on_ejected(kind)
+        was_ready = endpoint.ready
+        if was_ready or (endpoint.unanswered and redispatch):  # requests left waiting there
+            self.on_ejected(kind)  # are counted once, when it leaves, not at every poll
         self.mark_down(endpoint, reason)
-        if endpoint.unanswered and not redispatch:
-            logger.warning("worker %s ejected (%s): its %d unanswered requests stay on their "
-                           "connections", endpoint.url, reason, len(endpoint.unanswered))
+        if not redispatch:
+            if was_ready and endpoint.unanswered:
+                logger.warning("worker %s ejected (%s): its %d unanswered requests stay on "
+                               "their connections", endpoint.url, reason,
+                               len(endpoint.unanswered))
             return
         if endpoint.unanswered:
             logger.warning("worker %s ejected (%s): %d unanswered requests go elsewhere",
@@ -610,9 +614,8 @@ class EndpointSet:
                 # something answers there, but not as a worker: why, once per change
                 logger.warning("worker %s not ready yet: %s", endpoint.url, why)
             endpoint.problem = why
-            refused = isinstance(exc, ConnectFailed) and \
-                isinstance(exc.__cause__, ConnectionRefusedError)
-            self.eject(endpoint, "unreachable", f"unreachable: {why}", redispatch=not refused)
+            self.eject(endpoint, "unreachable", f"unreachable: {why}",
+                       redispatch=not _refused(exc))
             backoff = 0 if booting else min(2 ** (endpoint.failures - 1), MAX_BACKOFF_FACTOR)
             endpoint.next_poll = time.monotonic() + backoff * self.poll_interval
             return
@@ -668,6 +671,17 @@ def boot_learnt(boot_s: float | None, observed_s: float) -> float:
     """The expected boot (seconds) after one more observed listed-to-ready time: an EWMA
     of weight ``BOOT_EWMA``, or the observation itself when none was expected yet."""
     return observed_s if boot_s is None else boot_s + BOOT_EWMA * (observed_s - boot_s)
+
+
+def _refused(exc: Exception) -> bool:
+    """A connect every address refused: the host is up and nothing listens on the port
+    (asyncio raises a plain OSError naming each attempt when a name has several)."""
+    cause = exc.__cause__ if isinstance(exc, ConnectFailed) else None
+    if isinstance(cause, ConnectionRefusedError):
+        return True
+    attempts = re.findall(r"\[Errno (\d+)\]", str(cause)) if isinstance(cause, OSError) and \
+        str(cause).startswith("Multiple exceptions") else []
+    return bool(attempts) and all(int(n) == errno.ECONNREFUSED for n in attempts)
 
 
 def _health_status(body: bytes) -> str | None:
