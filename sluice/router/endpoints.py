@@ -19,7 +19,9 @@ its connection. Like ``mark_down`` it gets no new requests until a poll finds it
 and every request sent there that has had no byte back yet is told to go elsewhere
 (``Endpoint.unanswered``), so none waits out a timeout on a dead worker. A draining worker
 (``/health`` 503 ``{"status": "draining"}``) is only taken out of routing: it finishes what
-it has.
+it has. So is one whose poll is refused (nothing listens there: a worker draining after
+SIGTERM has closed its listener and still answers its requests; one that exited has broken
+their connections, and each goes elsewhere on its own).
 """
 
 from __future__ import annotations
