@@ -121,6 +121,8 @@ def test_hostpath_cache_is_mounted_at_the_same_path():
                                                 "type": "DirectoryOrCreate"}} in pod["volumes"]
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["SLUICE_HOME"] == "/var/cache/sluice"
+    # a node's pods share one build of the native kernels (keyed by CPU flags among others)
+    assert env["TORCH_EXTENSIONS_DIR"] == "/var/cache/sluice/torch_extensions"
     # the kubelet creates the folder owned by root; the non-root workers get it first
     owner, fetch = pod["initContainers"]
     assert owner["name"] == "cache-owner" and fetch["name"] == "fetch-model"
@@ -137,6 +139,10 @@ def test_pvc_cache_and_image_cache():
         "spec"]["template"]["spec"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models"}} \
         in pod["volumes"]
+    assert {"name": "TORCH_EXTENSIONS_DIR", "value": "/var/lib/sluice/torch_extensions"} \
+        in pod["containers"][0]["env"]
+    emptydir = deployment_of(isvc())["spec"]["template"]["spec"]  # per pod: its /tmp
+    assert "TORCH_EXTENSIONS_DIR" not in {e["name"] for e in emptydir["containers"][0]["env"]}
     baked = deployment_of(isvc(), OperatorConfig(model_cache=ModelCache.parse("image")))[
         "spec"]["template"]["spec"]
     assert "initContainers" not in baked

@@ -134,11 +134,15 @@ def test_switch_off_missing_compiler_and_failed_build_fall_back(monkeypatch, cap
 
 
 def test_the_build_folder_is_keyed_by_environment_and_source(tmp_path, monkeypatch):
-    """Two venvs (or two checkouts) sharing one extensions cache keep a build each."""
+    """Two venvs (or two checkouts, or two CPUs of a cluster) sharing one extensions cache
+    keep a build each."""
     here = kernels._build_directory(tmp_path)
     assert here.parent == tmp_path and here == kernels._build_directory(tmp_path)
     monkeypatch.setattr(sys, "prefix", "/another/venv")
     assert kernels._build_directory(tmp_path) != here
+    elsewhere = kernels._build_directory(tmp_path)
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : fpu sse2")  # another node
+    assert kernels._build_directory(tmp_path) != elsewhere
 
 
 HOLDER = ("import sys, time, filelock; from pathlib import Path; d = Path(sys.argv[1]); "

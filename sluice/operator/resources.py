@@ -281,6 +281,9 @@ def _model(service: InferenceService, cache: ModelCache) -> _Model:
         out.fetch = []
         return out
     out.env.append({"name": "SLUICE_HOME", "value": mount_path})
+    if cache.kind in ("hostPath", "pvc"):  # shared: the native kernels are built once, not
+        out.env.append({"name": "TORCH_EXTENSIONS_DIR",  # in each pod's /tmp at its start
+                        "value": f"{mount_path}/torch_extensions"})
     out.volumes.append(volume)
     out.mounts.append({"name": "model-cache", "mountPath": mount_path})
     return out

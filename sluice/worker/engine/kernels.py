@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 import time
@@ -98,11 +99,23 @@ def _load() -> bool:
 
 def _build_directory(root: Path) -> Path:
     """The kernels' build folder under ``root``: keyed by the sources and headers, the
-    flags, this Python environment (its headers and libraries) and torch's version."""
+    flags, this Python environment (its headers and libraries), torch's version and the
+    CPU's feature flags (``-march=native``: a cache shared by the nodes of a cluster, the
+    operator's hostPath or PVC model cache, keeps a build per instruction set)."""
     key = hashlib.sha256(b"\0".join([*(s.read_bytes() for s in SOURCES + HEADERS),
                                       " ".join(_CFLAGS).encode(), sys.prefix.encode(),
-                                      torch.__version__.encode()]))
+                                      torch.__version__.encode(), _cpu_flags().encode()]))
     return root / f"sluice_kernels_{key.hexdigest()[:12]}"
+
+
+def _cpu_flags() -> str:
+    """The first ``flags`` line of /proc/cpuinfo (the machine's name where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")),
+                        platform.machine())
+    except OSError:
+        return platform.machine()
 
 
 @contextlib.contextmanager
