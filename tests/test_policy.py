@@ -35,8 +35,16 @@ def endpoints(n: int) -> list[Endpoint]:
 # ------------------------------------------------------------------ registry and spec
 
 def test_registry_default_and_spec_agree():
+    """spec.routing leaves both fields unset (the router's flags apply), and its
+    descriptions name the flags' defaults: they must be the router's."""
+    from sluice.router.dispatch import DispatchSettings
+
     assert set(POLICIES) == {"least-load", "round-robin", "prefix", "slo"}
-    assert DEFAULT_POLICY == "slo" and RoutingSpec().strategy == "slo"
+    assert RoutingSpec().strategy is None and RoutingSpec().load_factor is None
+    fields = RoutingSpec.model_fields
+    assert DEFAULT_POLICY == "slo" and "(default `slo`)" in fields["strategy"].description
+    assert DispatchSettings().load_factor == 1.25
+    assert "(default 1.25)" in fields["load_factor"].description
     assert set(get_args(RoutingStrategy)) == set(POLICIES)
     for name, cls in POLICIES.items():
         assert isinstance(make_policy(name), cls)
